@@ -1,0 +1,128 @@
+"""A tiny causal transformer in plain PyTorch, and the small interface PPO needs from a model.
+
+PPO touches a language model only through ``model(tokens) -> logits (b, s, V)`` (teacher-forced) and
+``generate`` below; value and reward models are a backbone plus a scalar head (``ScalarModel``). A Hugging Face
+causal LM fits the same interface with a thin wrapper returning ``.logits`` and its own ``generate``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def default_device() -> torch.device:
+    """CUDA when present, CPU otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # incremental decoding: attend to every cached position, no mask needed
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None)  # (b, h, s, d/h)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x)), (k, v)
+
+
+class TinyLM(nn.Module):
+    """Pre-LN GPT: token + learned position embeddings, ``n_layers`` blocks, tied-free LM head."""
+
+    def __init__(self, vocab_size: int, max_len: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def hidden(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0):
+        """tokens (b, s) at positions start..start+s-1 -> hidden (b, s, d) and the updated cache."""
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, None if cache is None else cache[i])
+            new_cache.append(kv)
+        return self.ln_f(x), new_cache
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> logits (b, s, V); logits[:, i] predict tokens[:, i + 1]."""
+        return self.head(self.hidden(tokens)[0])
+
+
+class ScalarModel(nn.Module):
+    """Backbone + scalar head: a value model (per position) or a reward model (read at the last token).
+
+    ``gain``/``bias`` are buffers that normalise the reward model's scores (lm-human-preferences
+    `train_reward.py` normalises the RM so SFT samples score mean 0, std 1)."""
+
+    def __init__(self, backbone: TinyLM):
+        super().__init__()
+        self.backbone = backbone
+        self.backbone.head = nn.Identity()  # the LM head is unused; keep state_dicts small and honest
+        d = backbone.ln_f.normalized_shape[0]
+        self.score = nn.Linear(d, 1)
+        self.register_buffer("gain", torch.ones(()))
+        self.register_buffer("bias", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> per-position scalars (b, s)."""
+        return self.score(self.backbone.hidden(tokens)[0]).squeeze(-1) * self.gain + self.bias
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) gathered at tokens: logits (b, t, V), tokens (b, t) -> (b, t)."""
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def response_logits(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, temperature: float):
+    """Teacher-forced logits of the response tokens, scaled by the sampling temperature.
+
+    prompts (b, p), responses (b, t) -> (b, t, V). Dividing by the temperature in training as in sampling is
+    detail 'scale the logits by sampling temperature' of Huang et al. 2024 (arXiv 2403.17031)."""
+    tokens = torch.cat([prompts, responses], dim=1)
+    p = prompts.shape[1]
+    return model(tokens)[:, p - 1 : -1] / temperature
+
+
+@torch.no_grad()
+def generate(
+    model: TinyLM,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos: int,
+) -> torch.Tensor:
+    """Batched ancestral sampling with a KV cache. prompts (b, p) -> responses (b, max_new_tokens).
+
+    After a sequence emits ``eos`` every later token is ``eos`` (padding; see ``task.response_mask``)."""
+    b = prompts.shape[0]
+    h, cache = model.hidden(prompts)
+    logits = model.head(h[:, -1])
+    out = torch.empty(b, max_new_tokens, dtype=torch.long, device=prompts.device)
+    done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
+    for t in range(max_new_tokens):
+        probs = F.softmax(logits / temperature, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+        out[:, t] = nxt
+        done |= nxt == eos
+        if t + 1 < max_new_tokens:
+            h, cache = model.hidden(nxt[:, None], cache, start=prompts.shape[1] + t)
+            logits = model.head(h[:, -1])
+    return out

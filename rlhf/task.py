@@ -1,0 +1,156 @@
+"""A synthetic preference task with an exactly computable gold reward.
+
+The reference language is a random sparse bigram chain (a Markov grammar) over ``n_words`` word tokens plus
+two special tokens, BOS and EOS. Each word has ``n_successors`` legal successors (Dirichlet(1) weights) and may end
+the sentence with probability ``p_eos``. Prompts are BOS followed by ``prompt_len - 1`` words of the chain; SFT
+demonstrations continue the chain for at most ``max_new_tokens`` tokens.
+
+Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). For a response y_1..y_L (L counts
+the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes) and the last prompt token y_0:
+
+    gold(y) = (1 / max_new_tokens) * sum_{t=1..L, y_t != EOS} g_t,
+    g_t = quality[y_t]        if y_{t-1} -> y_t is a legal bigram of the grammar,
+    g_t = -illegal_penalty    otherwise.
+
+Where over-optimisation comes from: preference pairs are sampled from the SFT policy, which almost never
+produces an illegal bigram, so the proxy reward model learns "more high-quality words is better" and never
+sees the price of ungrammatical text. A policy that maximises the proxy drifts to repeating the best words
+whether or not the grammar allows it; gold first rises (better legal words) and then falls (illegal bigrams).
+Nothing in the proxy is hard-coded to be wrong: the blind spot is a property of the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BOS, EOS = 0, 1
+N_SPECIAL = 2
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """The reference language and its gold reward. All tensors live on the CPU.
+
+    transition: (V, V) next-token probabilities, every row sums to 1 (EOS is absorbing).
+    legal:      (V, V) bool, which bigrams the grammar allows (transition > 0).
+    quality:    (V,) per-token quality used by the gold reward (0 for special tokens).
+    """
+
+    transition: torch.Tensor
+    legal: torch.Tensor
+    quality: torch.Tensor
+    illegal_penalty: float
+    prompt_len: int
+    max_new_tokens: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transition.shape[0]
+
+
+def make_grammar(
+    seed: int,
+    n_words: int = 24,
+    n_successors: int = 4,
+    p_eos: float = 0.06,
+    illegal_penalty: float = 2.0,
+    prompt_len: int = 4,
+    max_new_tokens: int = 12,
+) -> Grammar:
+    """Draws the random grammar and the gold quality of each word from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = n_words + N_SPECIAL
+    transition = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for tok in range(N_SPECIAL, vocab):
+        succ = torch.randperm(n_words, generator=g)[:n_successors] + N_SPECIAL
+        # Dirichlet(1, ..., 1) weights as normalised Exp(1) draws, taken from our own generator.
+        expo = -torch.log(torch.rand(n_successors, generator=g, dtype=torch.float64))
+        transition[tok, succ] = (1.0 - p_eos) * expo / expo.sum()
+        transition[tok, EOS] = p_eos
+    transition[BOS, N_SPECIAL:] = 1.0 / n_words  # sentences start at any word
+    transition[EOS, EOS] = 1.0  # absorbing: after EOS comes only EOS padding
+    quality = torch.zeros(vocab, dtype=torch.float64)
+    quality[N_SPECIAL:] = torch.randn(n_words, generator=g, dtype=torch.float64)
+    return Grammar(
+        transition=transition.float(),
+        legal=transition > 0,
+        quality=quality.float(),
+        illegal_penalty=illegal_penalty,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def sample_prompts(grammar: Grammar, n: int, generator: torch.Generator) -> torch.Tensor:
+    """n prompts of BOS + (prompt_len - 1) words drawn from the chain. Returns (n, prompt_len) long.
+
+    Prompt words never contain EOS: the chain is conditioned on not ending inside the prompt."""
+    words = grammar.transition.clone()
+    words[:, EOS] = 0.0
+    tokens = torch.full((n, grammar.prompt_len), BOS, dtype=torch.long)
+    for i in range(1, grammar.prompt_len):
+        tokens[:, i] = torch.multinomial(words[tokens[:, i - 1]], 1, generator=generator).squeeze(1)
+    return tokens
+
+
+def sample_responses(grammar: Grammar, prompts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Demonstrations: continue each prompt with the grammar. Returns (n, max_new_tokens); after EOS, EOS pads."""
+    n = prompts.shape[0]
+    out = torch.full((n, grammar.max_new_tokens), EOS, dtype=torch.long)
+    prev, done = prompts[:, -1], torch.zeros(n, dtype=torch.bool)
+    for t in range(grammar.max_new_tokens):
+        nxt = torch.multinomial(grammar.transition[prev], 1, generator=generator).squeeze(1)
+        nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
+        out[:, t] = nxt
+        done = done | (nxt == EOS)
+        prev = nxt
+    return out
+
+
+def response_mask(responses: torch.Tensor) -> torch.Tensor:
+    """(b, t) float mask: 1 up to and including the first EOS, 0 after (padding)."""
+    is_eos = (responses == EOS).long()
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # number of EOS strictly before t
+    return (eos_before == 0).float()
+
+
+def gold_reward(grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """The gold reward of the module docstring. prompts (b, p), responses (b, t) -> (b,) float."""
+    prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)  # (b, t)
+    legal = grammar.legal[prev, responses]  # (b, t)
+    per_token = torch.where(legal, grammar.quality[responses], torch.tensor(-grammar.illegal_penalty))
+    counted = response_mask(responses) * (responses != EOS).float()
+    return (per_token * counted).sum(1) / grammar.max_new_tokens
+
+
+def illegal_fraction(grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """(b,) fraction of counted response tokens that form an illegal bigram with their predecessor."""
+    prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)
+    counted = response_mask(responses) * (responses != EOS).float()
+    illegal = (~grammar.legal[prev, responses]).float() * counted
+    return illegal.sum(1) / counted.sum(1).clamp(min=1.0)
+
+
+def preference_pairs(
+    grammar: Grammar,
+    prompts: torch.Tensor,
+    responses_a: torch.Tensor,
+    responses_b: torch.Tensor,
+    noise: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bradley-Terry labels from the gold reward (Christiano et al. 2017; Gao et al. 2022, sec. 2).
+
+    P(a preferred) = sigmoid((gold(a) - gold(b)) / noise); noise -> 0 gives noiseless labels.
+    Returns (chosen, rejected, noiseless_agrees): chosen/rejected responses (n, t) and a (n,) bool telling
+    whether the drawn label agrees with the noiseless gold comparison.
+    """
+    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    p_a = torch.sigmoid(diff / max(noise, 1e-8))
+    a_wins = torch.rand(p_a.shape, generator=generator) < p_a
+    chosen = torch.where(a_wins[:, None], responses_a, responses_b)
+    rejected = torch.where(a_wins[:, None], responses_b, responses_a)
+    agrees = a_wins == (diff > 0)
+    return chosen, rejected, agrees
