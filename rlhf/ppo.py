@@ -87,17 +87,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16), (b, t) -> advantages, returns (b, t).
 
-        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   R_t = A_t + V_t
-    Values past the last response token are masked to 0, so the final token bootstraps from 0.
+        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = sum_{l >= 0} (gamma * lam)^l delta_{t+l},   R_t = A_t + V_t
+    Vectorised as A = delta @ D with D[s, t] = (gamma * lam)^(s - t) for s >= t (a (t, t) upper-triangular
+    discount matrix) instead of the usual reverse loop. Values past the last response token are masked to 0, so
+    the last token bootstraps from 0 and every delta in the padding is 0.
     """
     values = values * mask
-    advantages = torch.zeros_like(rewards)
-    last = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * last
-        advantages[:, t] = last
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # (b, t)
+    deltas = (rewards + gamma * next_values - values) * mask  # (b, t)
+    steps = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
+    lag = steps[:, None] - steps[None, :]  # (t, t): s - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
+    advantages = deltas @ discount  # (b, t)
     return advantages * mask, (advantages + values) * mask
 
 
