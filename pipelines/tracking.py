@@ -1,0 +1,99 @@
+"""MLflow logging for every stage: one visible run per DVC stage, marked FAILED if the stage dies.
+
+Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db``; artifacts in
+``<repo>/mlartifacts``. Browse with ``mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+STAGE_TAG = "dvc_stage"
+ROOT = Path.cwd()  # stages run from the repo root (dvc.yaml's wdir)
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(flatten(v, key + ".") if isinstance(v, dict) else {key: str(v)})
+    return out
+
+
+def _client(experiment: str):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(tracking_uri())
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        exp_id = client.create_experiment(experiment, artifact_location=(ROOT / "mlartifacts").as_uri())
+    else:
+        exp_id = exp.experiment_id
+    return client, exp_id
+
+
+def _raise_on_term(signum, frame):
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
+@contextmanager
+def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = None):
+    """Opens the MLflow run of ``stage``: earlier runs of the same stage are deleted first (re-running a cell
+    leaves one visible run), the resolved config is logged as params, and the run ends FINISHED, or FAILED
+    if the block raises or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
+    client, exp_id = _client(experiment)
+    for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
+        client.delete_run(old.info.run_id)
+    all_tags = {STAGE_TAG: stage, "git_commit": git_commit(), **{k: str(v) for k, v in (tags or {}).items()}}
+    run = client.create_run(exp_id, run_name=stage, tags=all_tags)
+    run_id = run.info.run_id
+    from mlflow.entities import Param
+
+    params = [Param(k, v[:6000]) for k, v in flatten(config).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i : i + 100])
+    previous = signal.signal(signal.SIGTERM, _raise_on_term)
+    try:
+        yield client, run_id
+    except BaseException:  # errors, Ctrl-C and SIGTERM alike
+        client.set_terminated(run_id, "FAILED")
+        raise
+    else:
+        client.set_terminated(run_id, "FINISHED")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_key: str = "iteration") -> None:
+    """Logs a list of per-step dicts (e.g. PPO history) as metrics with ``step``, in batches."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"{prefix}{k}", float(v), now, int(row[step_key]))
+               for row in rows for k, v in row.items() if k != step_key and v is not None]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+
+
+def log_final(client, run_id: str, values: dict) -> None:
+    log_metrics(client, run_id, [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
+                step_key="step")
