@@ -53,7 +53,7 @@ class PPOConfig(BaseModel):
     """PPO hyper-parameters. Defaults follow lm-human-preferences / TRL where the task allows."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    iterations: int = Field(80, gt=0)
+    iterations: int = Field(60, gt=0)
     batch_size: int = Field(64, gt=0, description="episodes per rollout")
     minibatch_size: int = Field(32, gt=0)
     epochs: int = Field(4, gt=0)

@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make repro` (run everything) and `make test`. Both install first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install repro dvc-repro test test-all check-params ui bench figure
+
+$(STAMP): pyproject.toml requirements.lock
+	test -d $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+check-params: install        ## validate params.yaml without running anything
+	$(PY) -m ablations.config
+
+repro: install               ## data -> sft -> rm -> every stale grid cell on all cores -> analysis
+	$(PY) -m ablations.run
+
+dvc-repro: check-params      ## the same, one stage at a time, by plain DVC
+	dvc repro
+
+test: install                ## fast tests (the default)
+	$(PY) -m pytest
+
+test-all: install            ## fast + slow end-to-end tests (what CI runs)
+	$(PY) -m pytest -m ''
+
+ui: install                  ## browse runs at http://127.0.0.1:5000
+	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+bench: install               ## PPO speed benchmark (median of several runs)
+	$(PY) benchmarks/bench_ppo.py
+
+figure: install              ## the over-optimisation figure in docs/
+	$(PY) benchmarks/overoptimisation.py
