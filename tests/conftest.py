@@ -1,0 +1,128 @@
+"""Shared, session-scoped tiny setup for the rlhf unit tests (everything is built once, on one CPU thread).
+
+Fixtures that hold models must never be mutated by a test: deep-copy before training (``run_ppo`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
+
+from rlhf import reward_model as R  # noqa: E402
+from rlhf.model import ScalarModel, TinyLM, generate  # noqa: E402
+from rlhf.ppo import KLConfig, PPOConfig, train_ppo  # noqa: E402
+from rlhf.sft import response_nll, train_sft  # noqa: E402
+from rlhf.task import (EOS, Grammar, gold_reward, make_grammar, preference_pairs, sample_prompts,  # noqa: E402
+                       sample_responses)
+
+
+def tiny_lm(grammar: Grammar, seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(grammar.vocab_size, grammar.prompt_len + grammar.max_new_tokens, d_model=16, n_layers=1, n_heads=2)
+
+
+@dataclass
+class SFTResult:
+    model: TinyLM
+    initial_nll: float  # held-out NLL of the untrained model
+    heldout_prompts: torch.Tensor
+    heldout_responses: torch.Tensor
+
+
+@dataclass
+class RMResult:
+    model: ScalarModel  # trained and normalised on ``norm_prompts``/``norm_responses``
+    heldout_prompts: torch.Tensor
+    better: torch.Tensor  # held-out responses with strictly higher gold than ``worse``
+    worse: torch.Tensor
+
+
+@pytest.fixture(scope="session")
+def grammar() -> Grammar:
+    return make_grammar(0, n_words=8, max_new_tokens=6)
+
+
+@pytest.fixture(scope="session")
+def sft(grammar) -> SFTResult:
+    g = torch.Generator().manual_seed(0)
+    prompts = sample_prompts(grammar, 512, g)
+    responses = sample_responses(grammar, prompts, g)
+    heldout_prompts = sample_prompts(grammar, 256, g)
+    heldout_responses = sample_responses(grammar, heldout_prompts, g)
+    model = tiny_lm(grammar)
+    with torch.no_grad():
+        initial = response_nll(model, heldout_prompts, heldout_responses).item()
+    train_sft(model, prompts, responses, steps=60, batch_size=32, lr=1e-2, generator=g)
+    return SFTResult(model.eval(), initial, heldout_prompts, heldout_responses)
+
+
+@pytest.fixture(scope="session")
+def rm(grammar, sft) -> RMResult:
+    """Bradley-Terry proxy on 300 noiseless pairs of SFT samples; 256 held-out pairs labelled by gold."""
+    n_train = 300
+    g = torch.Generator().manual_seed(1)
+    prompts = sample_prompts(grammar, n_train + 256, g)
+    a = generate(sft.model, prompts, grammar.max_new_tokens, 1.0, g, EOS)
+    b = generate(sft.model, prompts, grammar.max_new_tokens, 1.0, g, EOS)
+    chosen, rejected, _ = preference_pairs(grammar, prompts, a, b, 0.0, g)
+    torch.manual_seed(1)
+    model = R.init_reward_model(sft.model)
+    R.train_reward_model(model, prompts[:n_train], chosen[:n_train], rejected[:n_train], steps=60, batch_size=32,
+                         lr=1e-2, generator=g)
+    model.eval()
+    R.normalize(model, prompts[:n_train], a[:n_train])
+    vp, va, vb = prompts[n_train:], a[n_train:], b[n_train:]
+    ga, gb = gold_reward(grammar, vp, va), gold_reward(grammar, vp, vb)
+    keep = ga != gb
+    better = torch.where((ga > gb)[:, None], va, vb)[keep]
+    worse = torch.where((ga > gb)[:, None], vb, va)[keep]
+    return RMResult(model, vp[keep], better, worse)
+
+
+@dataclass
+class PPOSetup:
+    grammar: Grammar
+    ref: TinyLM  # the SFT model
+    policy: TinyLM  # the SFT model with perturbed weights, so that KL(policy || ref) > 0 from the first rollout
+    reward_model: ScalarModel
+    train_prompts: torch.Tensor
+    eval_prompts: torch.Tensor
+
+
+@pytest.fixture(scope="session")
+def ppo_setup(grammar, sft, rm) -> PPOSetup:
+    g = torch.Generator().manual_seed(2)
+    policy = copy.deepcopy(sft.model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    train_prompts, eval_prompts = sample_prompts(grammar, 64, g), sample_prompts(grammar, 16, g)
+    return PPOSetup(grammar, sft.model, policy, rm.model, train_prompts, eval_prompts)
+
+
+def small_ppo_config(**overrides) -> PPOConfig:
+    """iterations=2, batch 8, minibatch 4, 2 epochs, eval every iteration; ``kl`` may be a dict or a KLConfig."""
+    kl = overrides.pop("kl", {})
+    kl = kl if isinstance(kl, KLConfig) else KLConfig(**kl)
+    base = dict(iterations=2, batch_size=8, minibatch_size=4, epochs=2, eval_every=1, kl=kl)
+    return PPOConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def run_ppo(ppo_setup):
+    """run_ppo(policy=None, ref=None, reward_model=None, **config overrides) -> train_ppo output, on deep copies."""
+
+    def run(policy=None, ref=None, reward_model=None, **overrides) -> dict:
+        s = ppo_setup
+        return train_ppo(copy.deepcopy(s.policy if policy is None else policy),
+                         copy.deepcopy(s.ref if ref is None else ref),
+                         copy.deepcopy(s.reward_model if reward_model is None else reward_model),
+                         s.grammar, s.train_prompts, s.eval_prompts, small_ppo_config(**overrides))
+
+    return run
