@@ -145,12 +145,12 @@ def preference_pairs(
 
     P(a preferred) = sigmoid((gold(a) - gold(b)) / noise); noise -> 0 gives noiseless labels.
     Returns (chosen, rejected, noiseless_agrees): chosen/rejected responses (n, t) and a (n,) bool telling
-    whether the drawn label agrees with the noiseless gold comparison.
+    whether the drawn label agrees with the noiseless gold comparison (ties agree).
     """
     diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
     p_a = torch.sigmoid(diff / max(noise, 1e-8))
     a_wins = torch.rand(p_a.shape, generator=generator) < p_a
     chosen = torch.where(a_wins[:, None], responses_a, responses_b)
     rejected = torch.where(a_wins[:, None], responses_b, responses_a)
-    agrees = a_wins == (diff > 0)
+    agrees = (a_wins == (diff > 0)) | (diff == 0)  # a tie agrees with either label
     return chosen, rejected, agrees
