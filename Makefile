@@ -29,8 +29,9 @@ test: install                ## fast tests (the default)
 test-all: install            ## fast + slow end-to-end tests (what CI runs)
 	$(PY) -m pytest -m ''
 
-ui: install                  ## browse runs at http://127.0.0.1:5000
-	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+ui: install                  ## browse runs at http://127.0.0.1:5000 (Experiments > kl-placement > Model training)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db \
+	  --host 127.0.0.1 --port 5000 --workers 1
 
 bench: install               ## PPO speed benchmark (median of several runs)
 	$(PY) benchmarks/bench_ppo.py
