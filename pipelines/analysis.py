@@ -1,0 +1,50 @@
+"""DVC stage `analysis`: reads runs/ppo/* and runs/baseline/* of the params.yaml grid, writes reports/.
+
+    python -m pipelines.analysis [params.yaml] [reports]
+
+Outputs (ablations.analysis.OUTPUTS): reports/report.md, stats.json (metrics), comparisons.csv, runs.csv
+and figures/{gold_vs_kl,learning_curves,forest}.png. Everything is written to a temporary sibling folder first
+and moved into place only when complete, so an interrupted run leaves the previous report (or none), never half
+of one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ablations import analysis
+from ablations.config import PARAMS_FILE, ParamsError, load_params
+
+REPORTS_DIR = Path("reports")
+
+
+def main(params_file: Path | str = PARAMS_FILE, out_dir: Path | str = REPORTS_DIR,
+         root: Path | str = ".") -> list[Path]:
+    """Runs the analysis of the runs under ``root`` and moves its outputs into ``out_dir``; returns their paths."""
+    params = load_params(params_file)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
+        produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
+        for rel in produced:  # same file system: each move is atomic; report.md comes last
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(Path(tmp) / rel, out / rel)
+    written = [out / rel for rel in produced]
+
+    # ---------------------------------------------------------------------------------------------------------
+    # MLflow hook (to be added by the tracking code): log params.analysis, the metrics in stats.json and the
+    # files in `written` as artifacts here. Nothing above reads MLflow; the run directories are the only input.
+    # ---------------------------------------------------------------------------------------------------------
+
+    return written
+
+
+if __name__ == "__main__":
+    try:
+        written = main(*sys.argv[1:3])
+    except (ParamsError, analysis.MissingResultsError) as e:
+        sys.exit(f"error: {e}")
+    print("\n".join(map(str, written)))
