@@ -10,6 +10,7 @@ of one.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
+from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
 
@@ -27,18 +29,20 @@ def main(params_file: Path | str = PARAMS_FILE, out_dir: Path | str = REPORTS_DI
     params = load_params(params_file)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
-        produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
-        for rel in produced:  # same file system: each move is atomic; report.md comes last
-            (out / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(Path(tmp) / rel, out / rel)
-    written = [out / rel for rel in produced]
-
-    # ---------------------------------------------------------------------------------------------------------
-    # MLflow hook (to be added by the tracking code): log params.analysis, the metrics in stats.json and the
-    # files in `written` as artifacts here. Nothing above reads MLflow; the run directories are the only input.
-    # ---------------------------------------------------------------------------------------------------------
-
+    config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
+    with tracking.stage_run("analysis", params.mlflow.experiment, config) as (client, run_id):
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
+            produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
+            for rel in produced:  # same file system: each move is atomic; report.md comes last
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(Path(tmp) / rel, out / rel)
+        written = [out / rel for rel in produced]
+        # MLflow is only a mirror: the run directories were the input, reports/ is the output.
+        stats = json.loads((out / "stats.json").read_text())
+        tracking.log_final(client, run_id, tracking.flatten_numbers(stats))
+        for path in written:
+            sub = path.parent.relative_to(out)
+            client.log_artifact(run_id, str(path), artifact_path=None if sub == Path(".") else str(sub))
     return written
 
 

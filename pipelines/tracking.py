@@ -7,6 +7,7 @@ Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db`
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -92,6 +93,18 @@ def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_ke
                for row in rows for k, v in row.items() if k != step_key and v is not None]
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
+
+
+def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
+    """Nested dict -> {"a.b": number} for its int/float leaves, keys made valid MLflow metric names."""
+    out = {}
+    for k, v in d.items():
+        key = re.sub(r"[^\w\-. :/]", "_", f"{prefix}{k}")
+        if isinstance(v, dict):
+            out.update(flatten_numbers(v, key + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
 
 
 def log_final(client, run_id: str, values: dict) -> None:

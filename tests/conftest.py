@@ -126,3 +126,12 @@ def run_ppo(ppo_setup):
                          s.grammar, s.train_prompts, s.eval_prompts, small_ppo_config(**overrides))
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _isolated_mlflow(tmp_path, monkeypatch):
+    """No test writes to the repository's mlflow.db or mlartifacts/."""
+    from pipelines import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(tracking, "ROOT", tmp_path)
