@@ -301,8 +301,10 @@ def write_answer(params: Params, comparisons: pd.DataFrame, runs: pd.DataFrame) 
                  f"{cf[S.INCONCLUSIVE]} are inconclusive")
     r = _largest(fam["coef"])
     if r is not None:
-        s.append(f"At matched coefficient {c['coef'][MATERIAL]} of {n['coef']} comparisons show a difference not "
-                 f"within the margin and {c['coef'][NEGLIGIBLE]} a difference within it; the largest gap is "
+        cc = c["coef"]
+        s.append(f"At matched coefficient, where the same number means a different strength in each placement, "
+                 f"{cc[MATERIAL] + cc[NEGLIGIBLE]} of {n['coef']} comparisons show a Holm-significant difference "
+                 f"({cc[S.EQUIVALENT]} equivalent, {cc[S.INCONCLUSIVE]} inconclusive); the largest gap is "
                  f"{r.arm} at coef {r.level:g} ({_ci(r)}, {_verdict_words(r)}; mean {r.mean_arm:.3f} vs "
                  f"{r.mean_ref:.3f} for {ref})")
     parts = []

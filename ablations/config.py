@@ -160,7 +160,7 @@ class AnalysisParams(BaseModel):
     margin: float = Field(0.05, gt=0.0, description="equivalence margin, gold-reward units")
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
     power: float = Field(0.8, gt=0.0, lt=1.0)
-    kl_budgets: list[float] = Field(default_factory=lambda: [2.0, 4.0, 8.0])
+    kl_budgets: list[float] = Field(default_factory=lambda: [2.0, 3.0, 4.0])
 
     @field_validator("kl_budgets")
     @classmethod

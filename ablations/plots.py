@@ -108,7 +108,7 @@ def forest(comparisons: pd.DataFrame, families: dict[str, str], margin: float, r
     sizes = [int((comparisons.family == f).sum()) for f in fams]
     height = 1.2 + 0.28 * sum(sizes) + 0.6 * len(fams)
     fig, axes = plt.subplots(len(fams), 1, figsize=(7.5, height),
-                             gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]}, squeeze=False, sharex=True)
+                             gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]}, squeeze=False)
     for ax, fam in zip(axes[:, 0], fams):
         df = comparisons[comparisons.family == fam].reset_index(drop=True)
         y = np.arange(len(df))[::-1]
