@@ -1,0 +1,23 @@
+"""The grid runner on a local Ray cluster (the `ray` extra): same cells, same DVC state as the process pool.
+
+Slow; skipped when Ray is not installed (`pip install -c requirements.lock -e '.[ray]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.pipelines.test_e2e import repo, sh  # noqa: F401  (the tiny-grid repository fixture)
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray")
+
+
+def test_ray_runner_leaves_dvc_clean(repo):  # noqa: F811
+    out = sh(repo, sys.executable, "-m", "ablations.run", "--ray-address", "local")
+    assert "6 of 6 grid cells to run on Ray at local" in out.stdout, out.stdout
+    assert json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}") == {}
+    assert (repo / "reports/report.md").exists()
