@@ -6,9 +6,9 @@
 
 Steps: 1. validate params.yaml (nothing runs if it is wrong); 2. `dvc repro rm` (data, SFT, reward model);
 3. ask `dvc status` which grid cells are stale and run them in parallel, each with torch threads set to
-RLHF_THREADS (default 1), printing one line per finished cell; after each cell finishes, `dvc commit` records
-it in dvc.lock exactly as `dvc repro` would have; 4. `dvc repro` for the rest (the analysis). A cell that is
-interrupted leaves no outputs and no lock entry, so the next run redoes it.
+RLHF_THREADS (default 1), printing one line per finished cell; `dvc commit` then records them in dvc.lock
+exactly as `dvc repro` would have (also on failure or Ctrl-C, for the cells that finished); 4. `dvc repro` for
+the rest (the analysis). A cell that is interrupted leaves no outputs and no lock entry: the next run redoes it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,24 @@ def dvc(*args: str, capture: bool = False) -> str:
 
 
 def stale_cells(grid: list[Cell]) -> list[Cell]:
-    """Grid cells whose DVC stage is changed or has never run (per `dvc status --json`)."""
-    status = json.loads(dvc("status", "--json", *[c.stage for c in grid], capture=True) or "{}")
+    """Grid cells whose DVC stage is changed or has never run (per `dvc status --json`; asking for the whole
+    pipeline at once is ~10x faster than naming 100 stages, which DVC collects one by one)."""
+    status = json.loads(dvc("status", "--json", capture=True) or "{}")
     return [c for c in grid if c.stage in status]
+
+
+def commit(done: list[Cell], whole_groups: bool) -> None:
+    """Records finished cells in dvc.lock, as `dvc repro` would have. DVC re-reads dvc.lock for every stage it
+    is given by name (~2.5 s each at 100 cells) but only once for a whole matrix group, so when every cell of the
+    grid has its outputs the groups are committed in one call; after a failure or an interrupt the finished
+    cells are committed one by one."""
+    if not done:
+        return
+    if whole_groups:
+        dvc("commit", "--force", "--quiet", *sorted({c.stage.split("@")[0] for c in done}))
+    else:
+        print(f"recording {len(done)} finished cells in dvc.lock ...", flush=True)
+        dvc("commit", "--force", "--quiet", *[c.stage for c in done])
 
 
 def _run_local(cell: Cell) -> dict:
@@ -85,12 +100,12 @@ def _run_ray(root: str, cell: Cell) -> dict:
 
 
 def run_grid(todo: list[Cell], workers: int, ray_address: str | None = None) -> list[str]:
-    """Runs ``todo`` concurrently; commits each finished cell to dvc.lock. Returns the failed stage names."""
+    """Runs ``todo`` concurrently and records the finished cells in dvc.lock. Returns the failed stage names."""
     os.environ.setdefault("RLHF_THREADS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     submit, wait_one, shutdown = _pool(workers, ray_address)
     pending = {submit(_run_local, c): c for c in todo}
-    failed, start = [], time.perf_counter()
+    failed, done, start = [], [], time.perf_counter()
     try:
         while pending:
             for fut in wait_one(set(pending)):
@@ -101,12 +116,13 @@ def run_grid(todo: list[Cell], workers: int, ray_address: str | None = None) -> 
                     failed.append(cell.stage)
                     print(f"[{len(todo) - len(pending)}/{len(todo)}] FAILED {cell.stage}: {e}", flush=True)
                     continue
-                dvc("commit", "--force", "--quiet", cell.stage)
+                done.append(cell)
                 print(f"[{len(todo) - len(pending)}/{len(todo)}] {cell.stage}: gold {s['final_gold']:.3f} "
                       f"proxy {s['final_proxy']:.3f} KL {s['final_kl']:.2f} ({s['wall_s']:.0f}s, "
                       f"{time.perf_counter() - start:.0f}s elapsed)", flush=True)
     finally:
         shutdown(cancel_futures=True) if ray_address is None else shutdown()
+        commit(done, whole_groups=len(done) == len(todo))
     return failed
 
 
