@@ -10,23 +10,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def run_figure(runs: dict[str, list[dict]] | list[dict], title: str):
-    """``runs``: one eval list, or {label: eval list}. Each eval row has iteration, gold, proxy, kl."""
+def run_figure(runs: dict[str, list[dict]] | list[dict], title: str, groups: dict[str, str] | None = None):
+    """``runs``: one eval list, or {label: eval list}; each eval row has iteration, gold, proxy, kl.
+    ``groups`` (label -> group name) colours runs by group, one legend entry per group (e.g. seeds of an arm)."""
     runs = {title: runs} if isinstance(runs, list) else runs
+    groups = groups or {label: label for label in runs}
+    color = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(groups.values()))}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, (label, evals) in enumerate(runs.items()):
-        color = f"C{i % 10}"
+    seen = set()
+    for label, evals in runs.items():
+        group = groups[label]
+        legend = group if group not in seen else None
+        seen.add(group)
         it = [e["iteration"] for e in evals]
-        ax1.plot(it, [e["gold"] for e in evals], color=color, label=f"{label} gold")
-        ax1.plot(it, [e["proxy"] for e in evals], color=color, ls="--", label=f"{label} proxy")
-        ax2.plot([math.sqrt(max(e["kl"], 0.0)) for e in evals], [e["gold"] for e in evals], color=color,
-                 marker="o", ms=3, label=label)
+        ax1.plot(it, [e["gold"] for e in evals], color=color[group], label=legend and f"{legend}: gold")
+        ax1.plot(it, [e["proxy"] for e in evals], color=color[group], ls="--", label=legend and f"{legend}: proxy")
+        ax2.plot([math.sqrt(max(e["kl"], 0.0)) for e in evals], [e["gold"] for e in evals], color=color[group],
+                 marker="o", ms=3, label=legend)
     ax1.set(xlabel="PPO iteration", ylabel="reward (held-out prompts)", title="gold (solid) and proxy (dashed)")
     ax2.set(xlabel="sqrt KL(pi || pi_ref)  [sqrt nats]", ylabel="gold reward", title="gold vs distance from SFT")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
-    fig.suptitle(title if len(runs) == 1 else "")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
