@@ -338,3 +338,13 @@ def test_history_and_evals_layout(run_none):
     assert [e["iteration"] for e in evals] == [0, 1, 2]
     assert run_none["summary"]["final_gold"] == evals[-1]["gold"]
     assert evals[0]["kl"] > 0  # the perturbed policy starts away from the reference
+
+
+def test_old_policy_kl_in_reward_is_zero_at_rollout_and_measured_in_later_epochs(run_ppo):
+    """KL to the rollout policy is identically 0 when the batch is generated; as PaLM-rlhf-pytorch 0.2 it is
+    re-measured with the updated policy before each later epoch and enters the rewards from then on."""
+    kl = KLConfig(target="old_policy", placement="reward", estimator="full", coef=0.5)
+    one_epoch = run_ppo(kl=kl, epochs=1)["history"]
+    two_epochs = run_ppo(kl=kl, epochs=2)["history"]
+    assert all(row["kl_reward"] == 0.0 for row in one_epoch)
+    assert all(row["kl_reward"] > 0.0 for row in two_epochs)
