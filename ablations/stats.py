@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
-from scipy import integrate, special, stats
+from scipy import special, stats
 from statsmodels.stats.multitest import multipletests
 from statsmodels.tools.sm_exceptions import ConvergenceWarning
 from statsmodels.stats.power import TTestPower, tt_ind_solve_power
@@ -315,7 +315,7 @@ def budget_curve_auc(kl: Sequence[float], gold: Sequence[float], max_budget: flo
     run's final gold beyond the largest KL it ever reached (stopped by the end of training rather than by the
     budget). Uses the whole trajectory in training order and never a max over checkpoints. G is linear in kappa
     between consecutive eval KL values, so the integral is exact: midpoint rule on each piece, summed with
-    scipy.integrate.trapezoid over a constant tail.
+    the final gold times the width of the tail.
     """
     k, g = _trajectory(kl, gold)
     if not len(k):
@@ -326,5 +326,5 @@ def budget_curve_auc(kl: Sequence[float], gold: Sequence[float], max_budget: flo
     for lo, hi in zip(cuts[:-1], cuts[1:]):  # on (lo, hi] one segment of the trajectory defines G
         area += (hi - lo) * _first_crossing_line(k, g, (lo + hi) / 2)
     if reach < max_budget:
-        area += integrate.trapezoid([g[-1], g[-1]], [reach, max_budget])
+        area += (max_budget - reach) * g[-1]  # constant tail: the final gold
     return area / max_budget

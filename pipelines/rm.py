@@ -12,7 +12,7 @@ from pipelines.common import DATA, METRICS, RM_MODEL, SFT_MODEL, load_checkpoint
 from pipelines.common import save_checkpoint, setup, write_json
 from rlhf import reward_model as R
 from rlhf.model import TinyLM, generate
-from rlhf.task import EOS, Grammar, gold_reward, illegal_fraction, preference_pairs, sample_prompts
+from rlhf.task import EOS, Grammar, gold_ordered, gold_reward, illegal_fraction, preference_pairs, sample_prompts
 
 
 def fit(params: Params, grammar: Grammar, sft: TinyLM, device: torch.device):
@@ -35,15 +35,12 @@ def fit(params: Params, grammar: Grammar, sft: TinyLM, device: torch.device):
     rm.eval()
     R.normalize(rm, prompts[:n], a[:n])
     # 3. held-out: accuracy against noiseless gold labels, correlation with gold on SFT samples
-    vp, va, vb = prompts[n:], a[n:], b[n:]
-    ga, gb = gold_reward(grammar, vp, va), gold_reward(grammar, vp, vb)
-    keep = ga != gb
-    better = torch.where((ga > gb)[:, None], va, vb)[keep]
-    worse = torch.where((ga > gb)[:, None], vb, va)[keep]
+    vp, va = prompts[n:], a[n:]
+    ga = gold_reward(grammar, vp, va)
     with torch.no_grad():
         proxy = R.score(rm, vp, va).cpu().numpy()
     metrics = {
-        "heldout_accuracy": R.pairwise_accuracy(rm, vp[keep], better, worse),
+        "heldout_accuracy": R.pairwise_accuracy(rm, *gold_ordered(grammar, vp, va, b[n:])),
         "label_agreement": agrees[:n].float().mean().item(),
         "pearson_gold": float(stats.pearsonr(proxy, ga.cpu().numpy()).statistic),
         "spearman_gold": float(stats.spearmanr(proxy, ga.cpu().numpy()).statistic),

@@ -154,3 +154,15 @@ def preference_pairs(
     rejected = torch.where(a_wins[:, None], responses_b, responses_a)
     agrees = (a_wins == (diff > 0)) | (diff == 0)  # a tie agrees with either label
     return chosen, rejected, agrees
+
+
+def gold_ordered(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
+    """Noiseless gold comparison of two responses per prompt, ties dropped: for held-out accuracy.
+
+    prompts (n, p), responses (n, t) -> (prompts, better, worse), each with the m <= n untied rows."""
+    ga, gb = gold_reward(grammar, prompts, responses_a), gold_reward(grammar, prompts, responses_b)
+    keep = ga != gb
+    a_wins = (ga > gb)[:, None]
+    better = torch.where(a_wins, responses_a, responses_b)[keep]
+    worse = torch.where(a_wins, responses_b, responses_a)[keep]
+    return prompts[keep], better, worse

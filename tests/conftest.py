@@ -18,7 +18,7 @@ from rlhf import reward_model as R  # noqa: E402
 from rlhf.model import ScalarModel, TinyLM, generate  # noqa: E402
 from rlhf.ppo import KLConfig, PPOConfig, train_ppo  # noqa: E402
 from rlhf.sft import response_nll, train_sft  # noqa: E402
-from rlhf.task import (EOS, Grammar, gold_reward, make_grammar, preference_pairs, sample_prompts,  # noqa: E402
+from rlhf.task import (EOS, Grammar, gold_ordered, make_grammar, preference_pairs, sample_prompts,  # noqa: E402
                        sample_responses)
 
 
@@ -77,12 +77,7 @@ def rm(grammar, sft) -> RMResult:
                          lr=1e-2, generator=g)
     model.eval()
     R.normalize(model, prompts[:n_train], a[:n_train])
-    vp, va, vb = prompts[n_train:], a[n_train:], b[n_train:]
-    ga, gb = gold_reward(grammar, vp, va), gold_reward(grammar, vp, vb)
-    keep = ga != gb
-    better = torch.where((ga > gb)[:, None], va, vb)[keep]
-    worse = torch.where((ga > gb)[:, None], vb, va)[keep]
-    return RMResult(model, vp[keep], better, worse)
+    return RMResult(model, *gold_ordered(grammar, prompts[n_train:], a[n_train:], b[n_train:]))
 
 
 @dataclass
