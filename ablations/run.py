@@ -56,10 +56,11 @@ def commit(done: list[Cell], whole_groups: bool) -> None:
         dvc("commit", "--force", "--quiet", *[c.stage for c in done])
 
 
-def _run_local(cell: Cell) -> dict:
-    from pipelines.ppo import run_cell  # imported in the worker: torch threads are set per process
+def _run_cell(root: str, cell: Cell) -> dict:
+    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell."""
+    os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
+    from pipelines.ppo import run_cell
 
-    os.chdir(ROOT)
     return run_cell(load_params(), cell)
 
 
@@ -72,7 +73,7 @@ def _pool(workers: int, ray_address: str | None):
 
     ray.init(address=ray_address, runtime_env={"env_vars": {k: os.environ[k] for k in ("RLHF_THREADS",
              "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}})
-    remote = ray.remote(num_cpus=1)(_run_ray)
+    remote = ray.remote(num_cpus=1)(_run_cell)
 
     class Ref:  # a future-like wrapper so the loop below is the same for both backends
         def __init__(self, ref):
@@ -81,8 +82,8 @@ def _pool(workers: int, ray_address: str | None):
         def result(self):
             return ray.get(self.ref)
 
-    def submit(fn, cell):
-        return Ref(remote.remote(str(ROOT), cell))
+    def submit(fn, *args):
+        return Ref(remote.remote(*args))
 
     def wait_one(pending):
         by_ref = {p.ref: p for p in pending}
@@ -92,19 +93,12 @@ def _pool(workers: int, ray_address: str | None):
     return submit, wait_one, lambda **_: ray.shutdown()
 
 
-def _run_ray(root: str, cell: Cell) -> dict:
-    os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
-    from pipelines.ppo import run_cell
-
-    return run_cell(load_params(), cell)
-
-
 def run_grid(todo: list[Cell], workers: int, ray_address: str | None = None) -> list[str]:
     """Runs ``todo`` concurrently and records the finished cells in dvc.lock. Returns the failed stage names."""
     os.environ.setdefault("RLHF_THREADS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     submit, wait_one, shutdown = _pool(workers, ray_address)
-    pending = {submit(_run_local, c): c for c in todo}
+    pending = {submit(_run_cell, str(ROOT), c): c for c in todo}
     failed, done, start = [], [], time.perf_counter()
     try:
         while pending:
