@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro dvc-repro test test-all check-params ui bench figure
+.PHONY: install repro dvc-repro test test-all lint check-params ui bench figure
 
 $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install                ## fast tests (the default)
 
 test-all: install            ## fast + slow end-to-end tests (what CI runs)
 	$(PY) -m pytest -m ''
+
+lint: install                ## ruff check + ruff format --check (configured in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 ui: install                  ## browse runs at http://127.0.0.1:5000 (Experiments > kl-placement > Model training)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db \

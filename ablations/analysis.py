@@ -36,8 +36,15 @@ from ablations.report import FAMILIES, budget_column, render_report, stats_summa
 SUMMARY_KEYS = ("arm", "coef", "seed", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
 FIGURES = "figures"  # sub-folder of the output folder holding the PNGs (a DVC out of its own)
-OUTPUTS = ("stats.json", "comparisons.csv", "runs.csv", f"{FIGURES}/gold_vs_kl.png", f"{FIGURES}/learning_curves.png",
-           f"{FIGURES}/forest.png", "report.md")  # relative to the output folder; report.md last
+OUTPUTS = (
+    "stats.json",
+    "comparisons.csv",
+    "runs.csv",
+    f"{FIGURES}/gold_vs_kl.png",
+    f"{FIGURES}/learning_curves.png",
+    f"{FIGURES}/forest.png",
+    "report.md",
+)  # relative to the output folder; report.md last
 
 
 class MissingResultsError(FileNotFoundError):
@@ -64,6 +71,7 @@ class Results:
 
 # ---------------------------------------------------------------- loading
 
+
 def _load_cell(cell: Cell, root: Path) -> tuple[dict, pd.DataFrame]:
     """summary.json and evals.csv (sorted by iteration) of one cell; MissingResultsError naming its stage if
     either is missing, unreadable, lacks a needed field, or holds another cell's results."""
@@ -81,9 +89,12 @@ def _load_cell(cell: Cell, root: Path) -> tuple[dict, pd.DataFrame]:
     if lacking:
         raise MissingResultsError(f"stage {cell.stage}: {d} lacks {', '.join(lacking)}")
     if (summary["arm"], int(summary["seed"])) != (cell.arm, cell.seed) or (
-            cell.arm != BASELINE and not math.isclose(float(summary["coef"]), cell.coef)):
-        raise MissingResultsError(f"stage {cell.stage}: {summary_path} holds arm={summary['arm']} "
-                                  f"coef={summary['coef']} seed={summary['seed']}; rerun the stage")
+        cell.arm != BASELINE and not math.isclose(float(summary["coef"]), cell.coef)
+    ):
+        raise MissingResultsError(
+            f"stage {cell.stage}: {summary_path} holds arm={summary['arm']} "
+            f"coef={summary['coef']} seed={summary['seed']}; rerun the stage"
+        )
     if evals.empty:
         raise MissingResultsError(f"stage {cell.stage}: {evals_path} has no rows")
     return summary, evals.sort_values("iteration").reset_index(drop=True)
@@ -101,13 +112,25 @@ def load_runs(params: Params, root: Path | str = ".") -> tuple[pd.DataFrame, pd.
             problems.append(str(e))
             continue
         spec = cell.kl
-        rows.append({**summary, "arm": cell.arm, "coef": cell.coef, "seed": cell.seed, "stage": cell.stage,
-                     "target": spec.target, "placement": spec.placement, "estimator": spec.estimator or "-"})
+        rows.append(
+            {
+                **summary,
+                "arm": cell.arm,
+                "coef": cell.coef,
+                "seed": cell.seed,
+                "stage": cell.stage,
+                "target": spec.target,
+                "placement": spec.placement,
+                "estimator": spec.estimator or "-",
+            }
+        )
         evals.append(ev.assign(arm=cell.arm, coef=cell.coef, seed=cell.seed))
     if problems:
         shown = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
-        raise MissingResultsError(f"analysis needs every cell of the params.yaml grid; {len(problems)} stage(s) "
-                                  f"have no usable results (run `dvc repro` for them):\n  {shown}")
+        raise MissingResultsError(
+            f"analysis needs every cell of the params.yaml grid; {len(problems)} stage(s) "
+            f"have no usable results (run `dvc repro` for them):\n  {shown}"
+        )
     return pd.DataFrame(rows), pd.concat(evals, ignore_index=True)
 
 
@@ -117,15 +140,18 @@ def add_budget_metrics(runs: pd.DataFrame, evals: pd.DataFrame, budgets: list[fl
     runs = runs.copy()
     by_run = {k: g for k, g in evals.groupby(["arm", "coef", "seed"], sort=False)}
     for b in budgets:
-        runs[budget_column(b)] = [S.gold_at_kl(by_run[k].kl, by_run[k].gold, b)
-                                  for k in zip(runs.arm, runs.coef, runs.seed)]
+        runs[budget_column(b)] = [
+            S.gold_at_kl(by_run[k].kl, by_run[k].gold, b) for k in zip(runs.arm, runs.coef, runs.seed)
+        ]
     runs["max_kl"] = [float(by_run[k].kl.max()) for k in zip(runs.arm, runs.coef, runs.seed)]
-    runs["frontier"] = [S.budget_curve_auc(by_run[k].kl, by_run[k].gold, max(budgets))
-                        for k in zip(runs.arm, runs.coef, runs.seed)]
+    runs["frontier"] = [
+        S.budget_curve_auc(by_run[k].kl, by_run[k].gold, max(budgets)) for k in zip(runs.arm, runs.coef, runs.seed)
+    ]
     return runs
 
 
 # ---------------------------------------------------------------- comparisons
+
 
 def per_seed(runs: pd.DataFrame, arm: str, column: str, coef: float | None = None) -> pd.Series:
     """One value per seed of ``arm``: ``column`` at ``coef``, or (coef None) its mean over the arm's coefficients
@@ -146,17 +172,42 @@ def compare_all(params: Params, runs: pd.DataFrame) -> pd.DataFrame:
     fams: dict[str, list[S.Comparison]] = {k: [] for k in FAMILIES}
     for coef in params.grid.coefs:
         for arm in others:
-            fams["coef"].append(S.compare(per_seed(runs, arm, a.metric, coef), per_seed(runs, ref, a.metric, coef),
-                                          family="coef", label=f"{arm} @ coef {coef:g}", arm_name=arm,
-                                          level=coef, **kw))
+            fams["coef"].append(
+                S.compare(
+                    per_seed(runs, arm, a.metric, coef),
+                    per_seed(runs, ref, a.metric, coef),
+                    family="coef",
+                    label=f"{arm} @ coef {coef:g}",
+                    arm_name=arm,
+                    level=coef,
+                    **kw,
+                )
+            )
     for b in a.kl_budgets:
         col = budget_column(b)
         for arm in others:
-            fams["kl"].append(S.compare(per_seed(runs, arm, col), per_seed(runs, ref, col), family="kl",
-                                        label=f"{arm} @ KL {b:g} nats", arm_name=arm, level=b, **kw))
+            fams["kl"].append(
+                S.compare(
+                    per_seed(runs, arm, col),
+                    per_seed(runs, ref, col),
+                    family="kl",
+                    label=f"{arm} @ KL {b:g} nats",
+                    arm_name=arm,
+                    level=b,
+                    **kw,
+                )
+            )
     for arm in others:
-        fams["frontier"].append(S.compare(per_seed(runs, arm, "frontier"), per_seed(runs, ref, "frontier"),
-                                          family="frontier", label=f"{arm} frontier", arm_name=arm, **kw))
+        fams["frontier"].append(
+            S.compare(
+                per_seed(runs, arm, "frontier"),
+                per_seed(runs, ref, "frontier"),
+                family="frontier",
+                label=f"{arm} frontier",
+                arm_name=arm,
+                **kw,
+            )
+        )
     rows = [c.row() for fam in fams.values() for c in S.decide(fam, power=a.power)]
     return pd.DataFrame(rows)
 
@@ -175,12 +226,16 @@ def reach_table(params: Params, runs: pd.DataFrame) -> pd.DataFrame:
 
 # ---------------------------------------------------------------- factorial view
 
+
 def cell_table(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     """Mean, SD and n over seeds of the metric, final KL and frontier per (arm, coef), with the arm's spec."""
     keys = ["target", "placement", "estimator", "arm", "coef"]
     g = runs.groupby(keys, sort=False)
-    t = g[metric].agg(["count", "mean", "std"]).rename(columns={"count": "n", "mean": f"{metric}_mean",
-                                                                 "std": f"{metric}_sd"})
+    t = (
+        g[metric]
+        .agg(["count", "mean", "std"])
+        .rename(columns={"count": "n", "mean": f"{metric}_mean", "std": f"{metric}_sd"})
+    )
     t["final_kl_mean"], t["final_kl_sd"] = g.final_kl.mean(), g.final_kl.std()
     t["frontier_mean"], t["frontier_sd"] = g.frontier.mean(), g.frontier.std()
     return t.reset_index()
@@ -217,14 +272,22 @@ def factorial_anova(runs: pd.DataFrame, metric: str) -> dict[str, tuple[str, pd.
 
 # ---------------------------------------------------------------- putting it together
 
+
 def analyse(params: Params, root: Path | str = ".") -> Results:
     """Loads the grid's runs under ``root`` and computes every table of the report (no files written)."""
     a = params.analysis
     runs, evals = load_runs(params, root)
     runs = add_budget_metrics(runs, evals, a.kl_budgets)
     comparisons = compare_all(params, runs)
-    res = Results(params=params, runs=runs, evals=evals, comparisons=comparisons, reach=reach_table(params, runs),
-                  cell_table=cell_table(runs, a.metric), anova=factorial_anova(runs, a.metric))
+    res = Results(
+        params=params,
+        runs=runs,
+        evals=evals,
+        comparisons=comparisons,
+        reach=reach_table(params, runs),
+        cell_table=cell_table(runs, a.metric),
+        anova=factorial_anova(runs, a.metric),
+    )
     res.answer, res.headline = write_answer(params, comparisons, runs)
     return res
 
@@ -240,11 +303,13 @@ def write_outputs(res: Results, out_dir: Path | str) -> list[Path]:
     arms = list(p.grid.arms)
     fig = out / FIGURES
     images = {
-        "Gold reward vs KL, every run": plots.gold_vs_kl(res.runs, res.evals, arms, p.grid.coefs, a.kl_budgets,
-                                                         fig / "gold_vs_kl.png"),
+        "Gold reward vs KL, every run": plots.gold_vs_kl(
+            res.runs, res.evals, arms, p.grid.coefs, a.kl_budgets, fig / "gold_vs_kl.png"
+        ),
         "Learning curves": plots.learning_curves(res.evals, arms, p.grid.coefs, fig / "learning_curves.png"),
-        "Differences to the reference arm (forest plot)": plots.forest(res.comparisons, FAMILIES, a.margin,
-                                                                       a.reference_arm, fig / "forest.png"),
+        "Differences to the reference arm (forest plot)": plots.forest(
+            res.comparisons, FAMILIES, a.margin, a.reference_arm, fig / "forest.png"
+        ),
     }
     images = {k: v.relative_to(out).as_posix() for k, v in images.items()}
     res.comparisons.to_csv(out / "comparisons.csv", index=False)

@@ -103,8 +103,10 @@ class Arm(BaseModel):
     @classmethod
     def _no_none(cls, data):
         if isinstance(data, dict) and data.get("placement") == "none":
-            raise ValueError("placement 'none' is the no-KL baseline (it runs once per seed as stage 'baseline'), not an arm; "
-                             "an arm's placement is one of 'reward', 'loss', 'both'")
+            raise ValueError(
+                "placement 'none' is the no-KL baseline (it runs once per seed as stage 'baseline'), not an arm; "
+                "an arm's placement is one of 'reward', 'loss', 'both'"
+            )
         return data
 
     def kl(self, coef: float) -> KLConfig:
@@ -133,7 +135,9 @@ class Grid(BaseModel):
         if not coefs:
             raise ValueError("must list at least one coefficient")
         if any(c <= 0 for c in coefs):
-            raise ValueError(f"every coefficient must be > 0 (got {coefs}); the no-KL baseline runs once per seed by itself")
+            raise ValueError(
+                f"every coefficient must be > 0 (got {coefs}); the no-KL baseline runs once per seed by itself"
+            )
         if len(set(coefs)) != len(coefs):
             raise ValueError(f"duplicate coefficient in {coefs}")
         return coefs
@@ -189,8 +193,10 @@ class Params(BaseModel):
     @model_validator(mode="after")
     def _cross(self):
         if self.analysis.reference_arm not in self.grid.arms:
-            raise ValueError(f"analysis.reference_arm {self.analysis.reference_arm!r} is not an arm; "
-                             f"allowed: {', '.join(self.grid.arms)}")
+            raise ValueError(
+                f"analysis.reference_arm {self.analysis.reference_arm!r} is not an arm; "
+                f"allowed: {', '.join(self.grid.arms)}"
+            )
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
             for coef in self.grid.coefs:
                 try:

@@ -8,11 +8,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from ablations.grid import BASELINE  # noqa: E402
+from ablations.grid import BASELINE
 
 VERDICT_COLOURS = {"difference": "tab:red", "equivalent": "tab:green", "inconclusive": "tab:gray"}
 
@@ -27,9 +27,8 @@ def _arm_axes(arms: list[str], title: str):
     """A grid of panels (at most 3 per row) sharing axes, one per arm; returns (figure, arm -> axes)."""
     ncols = min(3, len(arms))
     nrows = math.ceil(len(arms) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.3 * nrows), sharex=True, sharey=True,
-                             squeeze=False)
-    for ax in axes.flat[len(arms):]:
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.3 * nrows), sharex=True, sharey=True, squeeze=False)
+    for ax in axes.flat[len(arms) :]:
         ax.set_visible(False)
     fig.suptitle(title)
     return fig, dict(zip(arms, axes.flat))
@@ -39,8 +38,7 @@ def _legend(fig, colours: dict[float, tuple], extra: list | None = None):
     """A figure-level legend of the coefficient colours (and the baseline), below the panels."""
     handles = [plt.Line2D([], [], color=c, lw=2, label=f"coef {k:g}") for k, c in colours.items()]
     handles.append(plt.Line2D([], [], color="black", lw=2, label="no KL (baseline)"))
-    fig.legend(handles=handles + (extra or []), loc="lower center", ncol=len(handles) + len(extra or []),
-               frameon=False)
+    fig.legend(handles=handles + (extra or []), loc="lower center", ncol=len(handles) + len(extra or []), frameon=False)
 
 
 def _runs_of(evals: pd.DataFrame, arm: str):
@@ -48,8 +46,9 @@ def _runs_of(evals: pd.DataFrame, arm: str):
     return evals[evals.arm == arm].groupby(["coef", "seed"], sort=True)
 
 
-def gold_vs_kl(runs: pd.DataFrame, evals: pd.DataFrame, arms: list[str], coefs: list[float],
-               budgets: list[float], path: Path) -> Path:
+def gold_vs_kl(
+    runs: pd.DataFrame, evals: pd.DataFrame, arms: list[str], coefs: list[float], budgets: list[float], path: Path
+) -> Path:
     """Gold reward against exact KL(pi || pi_ref) per arm: each run's eval trajectory (faint, in training order)
     and its final point, coloured by coefficient; dashed lines at the KL budgets."""
     colours = _coef_colours(coefs)
@@ -61,8 +60,15 @@ def gold_vs_kl(runs: pd.DataFrame, evals: pd.DataFrame, arms: list[str], coefs: 
             c = "black" if arm == BASELINE else colours[coef]
             ax.plot(g.kl, g.gold, color=c, alpha=0.3, lw=0.9)
         fin = runs[runs.arm == arm]
-        ax.scatter(fin.final_kl, fin.final_gold, s=14, zorder=3,
-                   c=["black" if arm == BASELINE else colours[c] for c in fin.coef], edgecolors="white", linewidths=0.4)
+        ax.scatter(
+            fin.final_kl,
+            fin.final_gold,
+            s=14,
+            zorder=3,
+            c=["black" if arm == BASELINE else colours[c] for c in fin.coef],
+            edgecolors="white",
+            linewidths=0.4,
+        )
         for b in budgets:
             if b <= evals.kl.max():  # a budget no run reaches would only stretch the axis
                 ax.axvline(b, color="gray", ls="--", lw=0.7)
@@ -107,8 +113,9 @@ def forest(comparisons: pd.DataFrame, families: dict[str, str], margin: float, r
     fams = [f for f in families if (comparisons.family == f).any()]
     sizes = [int((comparisons.family == f).sum()) for f in fams]
     height = 1.2 + 0.28 * sum(sizes) + 0.6 * len(fams)
-    fig, axes = plt.subplots(len(fams), 1, figsize=(7.5, height),
-                             gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(fams), 1, figsize=(7.5, height), gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]}, squeeze=False
+    )
     for ax, fam in zip(axes[:, 0], fams):
         df = comparisons[comparisons.family == fam].reset_index(drop=True)
         y = np.arange(len(df))[::-1]

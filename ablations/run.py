@@ -71,8 +71,14 @@ def _pool(workers: int, ray_address: str | None):
         return pool.submit, lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0], pool.shutdown
     import ray
 
-    ray.init(address=ray_address, runtime_env={"env_vars": {k: os.environ[k] for k in ("RLHF_THREADS",
-             "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}})
+    ray.init(
+        address=ray_address,
+        runtime_env={
+            "env_vars": {
+                k: os.environ[k] for k in ("RLHF_THREADS", "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ
+            }
+        },
+    )
     remote = ray.remote(num_cpus=1)(_run_cell)
 
     class Ref:  # a future-like wrapper so the loop below is the same for both backends
@@ -111,9 +117,12 @@ def run_grid(todo: list[Cell], workers: int, ray_address: str | None = None) -> 
                     print(f"[{len(todo) - len(pending)}/{len(todo)}] FAILED {cell.stage}: {e}", flush=True)
                     continue
                 done.append(cell)
-                print(f"[{len(todo) - len(pending)}/{len(todo)}] {cell.stage}: gold {s['final_gold']:.3f} "
-                      f"proxy {s['final_proxy']:.3f} KL {s['final_kl']:.2f} ({s['wall_s']:.0f}s, "
-                      f"{time.perf_counter() - start:.0f}s elapsed)", flush=True)
+                print(
+                    f"[{len(todo) - len(pending)}/{len(todo)}] {cell.stage}: gold {s['final_gold']:.3f} "
+                    f"proxy {s['final_proxy']:.3f} KL {s['final_kl']:.2f} ({s['wall_s']:.0f}s, "
+                    f"{time.perf_counter() - start:.0f}s elapsed)",
+                    flush=True,
+                )
     finally:
         shutdown(cancel_futures=True) if ray_address is None else shutdown()
         commit(done, whole_groups=len(done) == len(todo))

@@ -24,6 +24,7 @@ Lakens 2013 "Calculating and reporting effect sizes" (Front. Psychol. 4:863); Ho
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -33,12 +34,12 @@ import numpy as np
 import pandas as pd
 from scipy import special, stats
 from statsmodels.stats.multitest import multipletests
-from statsmodels.tools.sm_exceptions import ConvergenceWarning
 from statsmodels.stats.power import TTestPower, tt_ind_solve_power
 from statsmodels.stats.weightstats import ttost_ind, ttost_paired
+from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
 DIFFERENCE, EQUIVALENT, INCONCLUSIVE = "difference", "equivalent", "inconclusive"
-MAX_SEEDS = 1000          # cap of the "about N seeds would settle it" recommendation
+MAX_SEEDS = 1000  # cap of the "about N seeds would settle it" recommendation
 EXACT_PERMUTATIONS = 2**16  # enumerate every rearrangement up to this many, else sample PERMUTATION_RESAMPLES
 PERMUTATION_RESAMPLES = 9999
 
@@ -59,7 +60,7 @@ class Comparison:
     label: str
     arm: str
     reference: str
-    level: float | None      # the coefficient or KL budget of the comparison; None for a per-arm summary
+    level: float | None  # the coefficient or KL budget of the comparison; None for a per-arm summary
     n_arm: int
     n_ref: int
     paired: bool
@@ -141,13 +142,31 @@ def permutation_p(a: np.ndarray, b: np.ndarray, paired: bool, seed: int = 0) -> 
         count = special.comb(len(a) + len(b), len(a), exact=True)
         data, stat, kind = (a, b), _diff_of_means, "independent"
     n_resamples = np.inf if count <= EXACT_PERMUTATIONS else PERMUTATION_RESAMPLES
-    res = stats.permutation_test(data, stat, permutation_type=kind, n_resamples=n_resamples, vectorized=True,
-                                 alternative="two-sided", rng=np.random.default_rng(seed))
+    res = stats.permutation_test(
+        data,
+        stat,
+        permutation_type=kind,
+        n_resamples=n_resamples,
+        vectorized=True,
+        alternative="two-sided",
+        rng=np.random.default_rng(seed),
+    )
     return float(res.pvalue)
 
 
-def compare(arm, ref, *, margin: float, alpha: float = 0.05, family: str = "", label: str = "", arm_name: str = "",
-            ref_name: str = "", level: float | None = None, permutation: bool = True) -> Comparison:
+def compare(
+    arm,
+    ref,
+    *,
+    margin: float,
+    alpha: float = 0.05,
+    family: str = "",
+    label: str = "",
+    arm_name: str = "",
+    ref_name: str = "",
+    level: float | None = None,
+    permutation: bool = True,
+) -> Comparison:
     """Compares one number per seed of an arm with the reference arm (raw p-values; see decide() for verdicts).
 
     ``arm`` and ``ref`` map seed -> value (pd.Series, dict, or a sequence keyed by position); NaNs are dropped.
@@ -162,9 +181,20 @@ def compare(arm, ref, *, margin: float, alpha: float = 0.05, family: str = "", l
         r_s = r_s.loc[a_s.index]
     a, r = a_s.to_numpy(), r_s.to_numpy()
     nan = math.nan
-    base = dict(family=family, label=label, arm=arm_name, reference=ref_name, level=level, n_arm=len(a),
-                n_ref=len(r), paired=paired, mean_arm=float(np.mean(a)) if len(a) else nan,
-                mean_ref=float(np.mean(r)) if len(r) else nan, margin=margin, alpha=alpha)
+    base = dict(
+        family=family,
+        label=label,
+        arm=arm_name,
+        reference=ref_name,
+        level=level,
+        n_arm=len(a),
+        n_ref=len(r),
+        paired=paired,
+        mean_arm=float(np.mean(a)) if len(a) else nan,
+        mean_ref=float(np.mean(r)) if len(r) else nan,
+        margin=margin,
+        alpha=alpha,
+    )
     if paired:
         d = a - r
         sd = float(np.std(d, ddof=1))
@@ -180,13 +210,35 @@ def compare(arm, ref, *, margin: float, alpha: float = 0.05, family: str = "", l
         p_equiv = float(ttost_ind(a, r, -margin, margin, usevar="unequal")[0]) if sd > 0 else nan
         effect, effect_name = hedges_g(a, r), "g"
     else:
-        return Comparison(**base, diff=base["mean_arm"] - base["mean_ref"], ci_lo=nan, ci_hi=nan, sd=nan,
-                          effect=nan, effect_name="d_z" if paired else "g", t=nan, df=nan, p=nan, p_perm=nan,
-                          p_equiv=nan)
+        return Comparison(
+            **base,
+            diff=base["mean_arm"] - base["mean_ref"],
+            ci_lo=nan,
+            ci_hi=nan,
+            sd=nan,
+            effect=nan,
+            effect_name="d_z" if paired else "g",
+            t=nan,
+            df=nan,
+            p=nan,
+            p_perm=nan,
+            p_equiv=nan,
+        )
     p_perm = permutation_p(a, r, paired) if permutation else nan
-    return Comparison(**base, diff=float(np.mean(a) - np.mean(r)), ci_lo=float(ci.low), ci_hi=float(ci.high),
-                      sd=sd, effect=effect, effect_name=effect_name, t=float(res.statistic), df=float(res.df),
-                      p=float(res.pvalue), p_perm=p_perm, p_equiv=p_equiv)
+    return Comparison(
+        **base,
+        diff=float(np.mean(a) - np.mean(r)),
+        ci_lo=float(ci.low),
+        ci_hi=float(ci.high),
+        sd=sd,
+        effect=effect,
+        effect_name=effect_name,
+        t=float(res.statistic),
+        df=float(res.df),
+        p=float(res.pvalue),
+        p_perm=p_perm,
+        p_equiv=p_equiv,
+    )
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -226,7 +278,7 @@ def seeds_needed(sd: float, margin: float, *, alpha: float, power: float, paired
 
 
 def verdict(p_diff: float, p_equiv: float, alpha: float) -> str:
-    """"difference" if the (adjusted) difference p-value is below alpha, else "equivalent" if the (adjusted)
+    """ "difference" if the (adjusted) difference p-value is below alpha, else "equivalent" if the (adjusted)
     TOST p-value is, else "inconclusive" (Lakens 2017: absence of evidence is not evidence of absence)."""
     if np.isfinite(p_diff) and p_diff < alpha:
         return DIFFERENCE
@@ -254,8 +306,10 @@ def decide(family: Sequence[Comparison], *, power: float, adjust: bool = True, p
         need = math.nan
         level = f"{100 * (1 - c.alpha):.0f}%"
         if v == DIFFERENCE:
-            text = (f"difference detected ({c.diff:+.3f}, {level} CI [{c.ci_lo:+.3f}, {c.ci_hi:+.3f}], "
-                    f"{c.effect_name} = {c.effect:+.2f})")
+            text = (
+                f"difference detected ({c.diff:+.3f}, {level} CI [{c.ci_lo:+.3f}, {c.ci_hi:+.3f}], "
+                f"{c.effect_name} = {c.effect:+.2f})"
+            )
             if eh < c.alpha:
                 text += f"; smaller than the ±{c.margin:g} margin (equivalent too: real but negligible)"
         elif v == EQUIVALENT:
@@ -272,12 +326,22 @@ def decide(family: Sequence[Comparison], *, power: float, adjust: bool = True, p
                 text = f"inconclusive: {_fmt_seeds(need)} seeds per arm would settle it"
             else:
                 text = "inconclusive"
-        out.append(replace(c, p_holm=float(ph), p_equiv_holm=float(eh), verdict=v, within_margin=within,
-                           seeds_needed=need, text=text))
+        out.append(
+            replace(
+                c,
+                p_holm=float(ph),
+                p_equiv_holm=float(eh),
+                verdict=v,
+                within_margin=within,
+                seeds_needed=need,
+                text=text,
+            )
+        )
     return out
 
 
 # ---------------------------------------------------------------- KL budgets
+
 
 def _trajectory(kl: Sequence[float], gold: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """An eval trajectory as float arrays in training order, rows with a non-finite KL or gold dropped."""
@@ -294,7 +358,7 @@ def _first_crossing_line(k: np.ndarray, g: np.ndarray, budget: float) -> float:
     i = int(np.argmax(k >= budget))  # first eval at or past the budget (caller checks it exists)
     if i == 0:
         return float(g[0])
-    return float(np.interp(budget, k[i - 1:i + 1], g[i - 1:i + 1]))
+    return float(np.interp(budget, k[i - 1 : i + 1], g[i - 1 : i + 1]))
 
 
 def gold_at_kl(kl: Sequence[float], gold: Sequence[float], budget: float) -> float:
@@ -323,7 +387,7 @@ def budget_curve_auc(kl: Sequence[float], gold: Sequence[float], max_budget: flo
     reach = min(float(k.max()), max_budget)
     cuts = np.unique(np.concatenate([[0.0, reach], k[(k > 0) & (k < reach)]]))
     area = 0.0
-    for lo, hi in zip(cuts[:-1], cuts[1:]):  # on (lo, hi] one segment of the trajectory defines G
+    for lo, hi in itertools.pairwise(cuts):  # on (lo, hi] one segment of the trajectory defines G
         area += (hi - lo) * _first_crossing_line(k, g, (lo + hi) / 2)
     if reach < max_budget:
         area += (max_budget - reach) * g[-1]  # constant tail: the final gold

@@ -68,12 +68,17 @@ def main() -> None:
 
     n_train = cfg.minibatch_size * (grammar.prompt_len + grammar.max_new_tokens)
     t_train = median_time(update, 20)
-    t_run = median_time(lambda: train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar, train, held,
-                                          cfg), args.repeats)
+    t_run = median_time(
+        lambda: train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar, train, held, cfg), args.repeats
+    )
     result = {
-        "ppo_run_seconds_median": t_run, "repeats": args.repeats, "iterations": cfg.iterations,
-        "arm": cell.stage, "threads": torch.get_num_threads(),
-        "sampling_tokens_per_s": n_sample / t_sample, "training_tokens_per_s": n_train / t_train,
+        "ppo_run_seconds_median": t_run,
+        "repeats": args.repeats,
+        "iterations": cfg.iterations,
+        "arm": cell.stage,
+        "threads": torch.get_num_threads(),
+        "sampling_tokens_per_s": n_sample / t_sample,
+        "training_tokens_per_s": n_train / t_train,
     }
     Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -22,18 +22,39 @@ from pathlib import Path
 from ablations.config import load_params
 from ablations.grid import cells
 
-KEEP = ("rlhf", "pipelines", "ablations", "data", "models", "metrics", "runs", ".dvc", "dvc.yaml", "dvc.lock",
-        "params.yaml", ".dvcignore", ".gitignore")
+KEEP = (
+    "rlhf",
+    "pipelines",
+    "ablations",
+    "data",
+    "models",
+    "metrics",
+    "runs",
+    ".dvc",
+    "dvc.yaml",
+    "dvc.lock",
+    "params.yaml",
+    ".dvcignore",
+    ".gitignore",
+)
 
 
 def timed_run(repo: Path, todo: list, workers: int) -> float:
     for cell in todo:
         shutil.rmtree(repo / cell.out_dir, ignore_errors=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ablations.run", "--no-analysis", "--workers", str(workers)], cwd=repo,
-                   check=True, capture_output=True, text=True,
-                   env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "TQDM_DISABLE": "1",
-                        "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
+    subprocess.run(
+        [sys.executable, "-m", "ablations.run", "--no-analysis", "--workers", str(workers)],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+            "TQDM_DISABLE": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+        },
+    )
     return time.perf_counter() - start
 
 
@@ -51,10 +72,14 @@ def main() -> None:
             (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / name)
         subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
         timed_run(repo, todo[:1], 1)  # warm-up: creates the MLflow database
-        times = {w: statistics.median(timed_run(repo, todo, w) for _ in range(args.repeats))
-                 for w in (1, args.workers)}
-    result = {"cells": len(todo), "repeats": args.repeats, "seconds_1_worker": times[1],
-              f"seconds_{args.workers}_workers": times[args.workers], "speedup": times[1] / times[args.workers]}
+        times = {w: statistics.median(timed_run(repo, todo, w) for _ in range(args.repeats)) for w in (1, args.workers)}
+    result = {
+        "cells": len(todo),
+        "repeats": args.repeats,
+        "seconds_1_worker": times[1],
+        f"seconds_{args.workers}_workers": times[args.workers],
+        "speedup": times[1] / times[args.workers],
+    }
     Path("benchmarks/workers.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -1,6 +1,6 @@
 """The over-optimisation figure of the README: no KL vs InstructGPT-style reference KL, three seeds each.
 
-    python benchmarks/overoptimisation.py     # -> docs/overoptimisation.png, docs/overoptimisation.json
+python benchmarks/overoptimisation.py     # -> docs/overoptimisation.png, docs/overoptimisation.json
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-
-import torch
 
 from ablations.config import load_params
 from ablations.grid import baseline_cell, find_cell
@@ -30,9 +28,15 @@ def main() -> None:
     for seed in SEEDS:
         cases = [("no KL", baseline_cell(seed))] + [(f"{a} {c:g}", find_cell(params, a, c, seed)) for a, c in ARMS]
         for group, cell in cases:
-            out = train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar,
-                            task["train_prompts"].to(device), task["eval_prompts"].to(device),
-                            params.ppo_config(cell.kl, seed))
+            out = train_ppo(
+                copy.deepcopy(sft_model),
+                sft_model,
+                reward_model,
+                grammar,
+                task["train_prompts"].to(device),
+                task["eval_prompts"].to(device),
+                params.ppo_config(cell.kl, seed),
+            )
             label = f"{group} s{seed}"
             runs[label], groups[label] = out["evals"], group
             print(label, {k: round(v, 3) for k, v in out["summary"].items()})

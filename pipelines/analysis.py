@@ -23,8 +23,9 @@ from pipelines import tracking
 REPORTS_DIR = Path("reports")
 
 
-def main(params_file: Path | str = PARAMS_FILE, out_dir: Path | str = REPORTS_DIR,
-         root: Path | str = ".") -> list[Path]:
+def main(
+    params_file: Path | str = PARAMS_FILE, out_dir: Path | str = REPORTS_DIR, root: Path | str = "."
+) -> list[Path]:
     """Runs the analysis of the runs under ``root`` and moves its outputs into ``out_dir``; returns their paths."""
     params = load_params(params_file)
     out = Path(out_dir)

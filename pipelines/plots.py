@@ -7,7 +7,7 @@ import math
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def run_figure(runs: dict[str, list[dict]] | list[dict], title: str, groups: dict[str, str] | None = None):
@@ -25,8 +25,14 @@ def run_figure(runs: dict[str, list[dict]] | list[dict], title: str, groups: dic
         it = [e["iteration"] for e in evals]
         ax1.plot(it, [e["gold"] for e in evals], color=color[group], label=legend and f"{legend}: gold")
         ax1.plot(it, [e["proxy"] for e in evals], color=color[group], ls="--", label=legend and f"{legend}: proxy")
-        ax2.plot([math.sqrt(max(e["kl"], 0.0)) for e in evals], [e["gold"] for e in evals], color=color[group],
-                 marker="o", ms=3, label=legend)
+        ax2.plot(
+            [math.sqrt(max(e["kl"], 0.0)) for e in evals],
+            [e["gold"] for e in evals],
+            color=color[group],
+            marker="o",
+            ms=3,
+            label=legend,
+        )
     ax1.set(xlabel="PPO iteration", ylabel="reward (held-out prompts)", title="gold (solid) and proxy (dashed)")
     ax2.set(xlabel="sqrt KL(pi || pi_ref)  [sqrt nats]", ylabel="gold reward", title="gold vs distance from SFT")
     for ax in (ax1, ax2):

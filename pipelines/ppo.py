@@ -20,8 +20,18 @@ from tqdm import tqdm
 from ablations.config import Params, load_params
 from ablations.grid import Cell, find_cell
 from pipelines import tracking
-from pipelines.common import DATA, RM_MODEL, SFT_MODEL, atomic_dir, load_checkpoint, load_grammar, load_lm
-from pipelines.common import load_reward_model, setup, write_json
+from pipelines.common import (
+    DATA,
+    RM_MODEL,
+    SFT_MODEL,
+    atomic_dir,
+    load_checkpoint,
+    load_grammar,
+    load_lm,
+    load_reward_model,
+    setup,
+    write_json,
+)
 from pipelines.plots import run_figure
 from rlhf.ppo import train_ppo
 
@@ -46,8 +56,16 @@ def run_cell(params: Params, cell: Cell) -> dict:
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
         with tqdm(total=cfg.iterations, desc=cell.stage, leave=False) as bar:
-            out = train_ppo(copy.deepcopy(ref), ref, reward_model, grammar, task["train_prompts"].to(device),
-                            task["eval_prompts"].to(device), cfg, progress=lambda row: bar.update())
+            out = train_ppo(
+                copy.deepcopy(ref),
+                ref,
+                reward_model,
+                grammar,
+                task["train_prompts"].to(device),
+                task["eval_prompts"].to(device),
+                cfg,
+                progress=lambda row: bar.update(),
+            )
         summary = {"stage": cell.stage, **axes, **out["summary"], "wall_s": time.perf_counter() - start}
         tracking.log_metrics(client, rid, out["history"], prefix="train/")
         tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
@@ -69,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     params = load_params()
     summary = run_cell(params, find_cell(params, args.arm, args.coef, args.seed))
-    print(f"{summary['stage']}: gold {summary['final_gold']:.3f} proxy {summary['final_proxy']:.3f} "
-          f"KL {summary['final_kl']:.2f} ({summary['wall_s']:.1f}s, pid {os.getpid()})")
+    print(
+        f"{summary['stage']}: gold {summary['final_gold']:.3f} proxy {summary['final_proxy']:.3f} "
+        f"KL {summary['final_kl']:.2f} ({summary['wall_s']:.1f}s, pid {os.getpid()})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Stage `rm`: preference pairs of SFT samples labelled by gold, Bradley-Terry proxy -> models/rm.pt, metrics/rm.json."""
+"""Stage `rm`: preference pairs of SFT samples labelled by gold, Bradley-Terry proxy -> models/rm.pt + metrics."""
 
 from __future__ import annotations
 
@@ -8,8 +8,18 @@ from tqdm import tqdm
 
 from ablations.config import Params, load_params
 from pipelines import tracking
-from pipelines.common import DATA, METRICS, RM_MODEL, SFT_MODEL, load_checkpoint, load_grammar, load_lm
-from pipelines.common import save_checkpoint, setup, write_json
+from pipelines.common import (
+    DATA,
+    METRICS,
+    RM_MODEL,
+    SFT_MODEL,
+    load_checkpoint,
+    load_grammar,
+    load_lm,
+    save_checkpoint,
+    setup,
+    write_json,
+)
 from rlhf import reward_model as R
 from rlhf.model import TinyLM, generate
 from rlhf.task import EOS, Grammar, gold_ordered, gold_reward, illegal_fraction, preference_pairs, sample_prompts
@@ -30,8 +40,9 @@ def fit(params: Params, grammar: Grammar, sft: TinyLM, device: torch.device):
     torch.manual_seed(p.seed)
     rm = R.init_reward_model(sft).train()
     with tqdm(total=p.steps, desc="rm", leave=False) as bar:
-        losses = R.train_reward_model(rm, prompts[:n], chosen[:n], rejected[:n], p.steps, p.batch_size, p.lr, g,
-                                      bar.update)
+        losses = R.train_reward_model(
+            rm, prompts[:n], chosen[:n], rejected[:n], p.steps, p.batch_size, p.lr, g, bar.update
+        )
     rm.eval()
     R.normalize(rm, prompts[:n], a[:n])
     # 3. held-out: accuracy against noiseless gold labels, correlation with gold on SFT samples

@@ -7,8 +7,17 @@ from tqdm import tqdm
 
 from ablations.config import Params, load_params
 from pipelines import tracking
-from pipelines.common import DATA, METRICS, SFT_MODEL, load_checkpoint, load_grammar, new_lm, save_checkpoint, setup
-from pipelines.common import write_json
+from pipelines.common import (
+    DATA,
+    METRICS,
+    SFT_MODEL,
+    load_checkpoint,
+    load_grammar,
+    new_lm,
+    save_checkpoint,
+    setup,
+    write_json,
+)
 from rlhf.model import TinyLM
 from rlhf.sft import response_nll, train_sft
 
@@ -20,19 +29,26 @@ def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict,
     p = params.sft
     grammar = load_grammar(task)
     prompts, responses = task["demo_prompts"].to(device), task["demo_responses"].to(device)
-    arch = {"vocab_size": grammar.vocab_size, "max_len": grammar.prompt_len + grammar.max_new_tokens,
-            **params.model.model_dump()}
+    arch = {
+        "vocab_size": grammar.vocab_size,
+        "max_len": grammar.prompt_len + grammar.max_new_tokens,
+        **params.model.model_dump(),
+    }
     torch.manual_seed(p.seed)
     model = new_lm(arch).to(device)
     (tp, tr), (vp, vr) = (prompts[:-HELDOUT], responses[:-HELDOUT]), (prompts[-HELDOUT:], responses[-HELDOUT:])
     with torch.no_grad():
         nll_before = response_nll(model, vp, vr).item()
     with tqdm(total=p.steps, desc="sft", leave=False) as bar:
-        losses = train_sft(model, tp, tr, p.steps, p.batch_size, p.lr, torch.Generator(device).manual_seed(p.seed),
-                           bar.update)
+        losses = train_sft(
+            model, tp, tr, p.steps, p.batch_size, p.lr, torch.Generator(device).manual_seed(p.seed), bar.update
+        )
     with torch.no_grad():
-        metrics = {"heldout_nll_before": nll_before, "heldout_nll": response_nll(model, vp, vr).item(),
-                   "train_loss_last": losses[-1]}
+        metrics = {
+            "heldout_nll_before": nll_before,
+            "heldout_nll": response_nll(model, vp, vr).item(),
+            "train_loss_last": losses[-1],
+        }
     return model.eval(), arch, metrics, losses
 
 
@@ -40,8 +56,9 @@ def main() -> None:
     params = load_params()
     device = setup()
     task = load_checkpoint(DATA)
-    with tracking.stage_run("sft", params.mlflow.experiment, {"sft": params.sft.model_dump(),
-                                                             "model": params.model.model_dump()}) as (client, rid):
+    with tracking.stage_run(
+        "sft", params.mlflow.experiment, {"sft": params.sft.model_dump(), "model": params.model.model_dump()}
+    ) as (client, rid):
         model, arch, metrics, losses = fit(params, task, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")
         tracking.log_final(client, rid, metrics)

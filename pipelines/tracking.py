@@ -89,8 +89,12 @@ def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_ke
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [Metric(f"{prefix}{k}", float(v), now, int(row[step_key]))
-               for row in rows for k, v in row.items() if k != step_key and v is not None]
+    metrics = [
+        Metric(f"{prefix}{k}", float(v), now, int(row[step_key]))
+        for row in rows
+        for k, v in row.items()
+        if k != step_key and v is not None
+    ]
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
 
@@ -108,5 +112,9 @@ def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
 
 
 def log_final(client, run_id: str, values: dict) -> None:
-    log_metrics(client, run_id, [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
-                step_key="step")
+    log_metrics(
+        client,
+        run_id,
+        [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
+        step_key="step",
+    )

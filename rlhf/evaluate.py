@@ -21,8 +21,15 @@ from rlhf.task import EOS, Grammar, gold_reward, illegal_fraction, response_mask
 
 
 @torch.no_grad()
-def evaluate(policy: TinyLM, ref_policy: TinyLM, reward_model: ScalarModel, grammar: Grammar,
-             eval_prompts: torch.Tensor, temperature: float, seed: int) -> dict[str, float]:
+def evaluate(
+    policy: TinyLM,
+    ref_policy: TinyLM,
+    reward_model: ScalarModel,
+    grammar: Grammar,
+    eval_prompts: torch.Tensor,
+    temperature: float,
+    seed: int,
+) -> dict[str, float]:
     g = torch.Generator(device=eval_prompts.device).manual_seed(seed)
     responses = generate(policy, eval_prompts, grammar.max_new_tokens, temperature, g, EOS)  # (n, t)
     mask = response_mask(responses)  # (n, t)

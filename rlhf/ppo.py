@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -160,11 +160,16 @@ def train_ppo(
     value_model = copy.deepcopy(reward_model)  # value model initialised from the reward model (Huang et al.)
     params = list(policy.parameters()) + list(value_model.parameters())
     opt = torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
-    ctl = K.FixedKLController(kc.coef) if kc.adaptive_target is None else K.AdaptiveKLController(
-        kc.coef, kc.adaptive_target, kc.horizon)
+    ctl = (
+        K.FixedKLController(kc.coef)
+        if kc.adaptive_target is None
+        else K.AdaptiveKLController(kc.coef, kc.adaptive_target, kc.horizon)
+    )
     in_reward, in_loss = kc.placement in ("reward", "both"), kc.placement in ("loss", "both")
-    measure = lambda it: {"iteration": it, **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts,
-                                                       cfg.temperature, eval_seed)}
+    measure = lambda it: {
+        "iteration": it,
+        **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, cfg.temperature, eval_seed),
+    }
     history, evals = [], [measure(0)]
     n_mb = cfg.batch_size // cfg.minibatch_size
 
@@ -205,23 +210,28 @@ def train_ppo(
                 # current policy and subtracted from the rewards before each later epoch (GAE re-run).
                 with torch.no_grad():
                     cur_logits = response_logits(policy, prompts, responses, cfg.temperature)
-                    kl_reward = K.kl_per_token(kc.estimator, logprobs_from_logits(cur_logits, responses),
-                                               logprobs, cur_logits, logits) * mask
-                    rewards, advantages, returns = advantages_and_returns(scores, kl_reward, kl_coef, values,
-                                                                          mask, cfg)
+                    kl_reward = (
+                        K.kl_per_token(
+                            kc.estimator, logprobs_from_logits(cur_logits, responses), logprobs, cur_logits, logits
+                        )
+                        * mask
+                    )
+                    rewards, advantages, returns = advantages_and_returns(scores, kl_reward, kl_coef, values, mask, cfg)
                     kl_reward_used = kl_reward.sum(1).mean().item()
             perm = torch.randperm(cfg.batch_size, generator=g, device=device)
             for mb in perm.view(n_mb, cfg.minibatch_size):
                 new_logits = response_logits(policy, prompts[mb], responses[mb], cfg.temperature)
                 new_logprobs = logprobs_from_logits(new_logits, responses[mb])
-                pg_loss, clipfrac, approxkl = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb],
-                                                          cfg.cliprange)
+                pg_loss, clipfrac, approxkl = policy_loss(
+                    new_logprobs, logprobs[mb], advantages[mb], mask[mb], cfg.cliprange
+                )
                 new_values = response_values(value_model, prompts[mb], responses[mb])
                 vf_loss = value_loss(new_values, values[mb], returns[mb], mask[mb], cfg.cliprange_value)
                 loss = pg_loss + cfg.vf_coef * vf_loss
                 if in_loss:
-                    kl_tok = K.kl_per_token(kc.estimator, new_logprobs, target_logprobs[mb], new_logits,
-                                            target_logits[mb])
+                    kl_tok = K.kl_per_token(
+                        kc.estimator, new_logprobs, target_logprobs[mb], new_logits, target_logits[mb]
+                    )
                     kl_term = K.loss_penalty(kl_tok, kl_coef, mask[mb])
                     loss = loss + kl_term
                     stats["kl_loss"] += K.masked_mean(kl_tok, mask[mb]).item() / (cfg.epochs * n_mb)
@@ -229,16 +239,26 @@ def train_ppo(
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("clipfrac", clipfrac),
-                             ("approxkl", approxkl)):
+                for k, v in (
+                    ("pg_loss", pg_loss),
+                    ("vf_loss", vf_loss),
+                    ("clipfrac", clipfrac),
+                    ("approxkl", approxkl),
+                ):
                     stats[k] += v.item() / (cfg.epochs * n_mb)
 
         # Adaptive controller: fed the batch mean of the per-sequence summed estimator vs the reference.
         if kl_rollout is not None:
             ctl.update(kl_rollout.sum(1).mean().item(), cfg.batch_size)
-        row = {"iteration": it, "kl_coef": kl_coef, "kl_reward": kl_reward_used, **stats,
-               "score": scores.mean().item(), "gold_train": gold_reward(grammar, prompts, responses).mean().item(),
-               "length": mask.sum(1).mean().item()}
+        row = {
+            "iteration": it,
+            "kl_coef": kl_coef,
+            "kl_reward": kl_reward_used,
+            **stats,
+            "score": scores.mean().item(),
+            "gold_train": gold_reward(grammar, prompts, responses).mean().item(),
+            "length": mask.sum(1).mean().item(),
+        }
         history.append(row)
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             evals.append(measure(it))
@@ -251,6 +271,9 @@ def final_summary(evals: list[dict]) -> dict:
     """The last held-out measurement plus sqrt(KL), and the gold peak along the way (reported, never selected)."""
     last = evals[-1]
     peak = max(evals, key=lambda e: e["gold"])
-    return {**{f"final_{k}": v for k, v in last.items() if k != "iteration"},
-            "final_sqrt_kl": math.sqrt(max(last["kl"], 0.0)),
-            "peak_gold": peak["gold"], "peak_gold_iteration": peak["iteration"]}
+    return {
+        **{f"final_{k}": v for k, v in last.items() if k != "iteration"},
+        "final_sqrt_kl": math.sqrt(max(last["kl"], 0.0)),
+        "peak_gold": peak["gold"],
+        "peak_gold_iteration": peak["iteration"],
+    }

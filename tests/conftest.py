@@ -18,8 +18,7 @@ from rlhf import reward_model as R  # noqa: E402
 from rlhf.model import ScalarModel, TinyLM, generate  # noqa: E402
 from rlhf.ppo import KLConfig, PPOConfig, train_ppo  # noqa: E402
 from rlhf.sft import response_nll, train_sft  # noqa: E402
-from rlhf.task import (EOS, Grammar, gold_ordered, make_grammar, preference_pairs, sample_prompts,  # noqa: E402
-                       sample_responses)
+from rlhf.task import EOS, Grammar, gold_ordered, make_grammar, preference_pairs, sample_prompts, sample_responses  # noqa: E402
 
 
 def tiny_lm(grammar: Grammar, seed: int = 0) -> TinyLM:
@@ -73,8 +72,9 @@ def rm(grammar, sft) -> RMResult:
     chosen, rejected, _ = preference_pairs(grammar, prompts, a, b, 0.0, g)
     torch.manual_seed(1)
     model = R.init_reward_model(sft.model)
-    R.train_reward_model(model, prompts[:n_train], chosen[:n_train], rejected[:n_train], steps=60, batch_size=32,
-                         lr=1e-2, generator=g)
+    R.train_reward_model(
+        model, prompts[:n_train], chosen[:n_train], rejected[:n_train], steps=60, batch_size=32, lr=1e-2, generator=g
+    )
     model.eval()
     R.normalize(model, prompts[:n_train], a[:n_train])
     return RMResult(model, *gold_ordered(grammar, prompts[n_train:], a[n_train:], b[n_train:]))
@@ -115,10 +115,15 @@ def run_ppo(ppo_setup):
 
     def run(policy=None, ref=None, reward_model=None, **overrides) -> dict:
         s = ppo_setup
-        return train_ppo(copy.deepcopy(s.policy if policy is None else policy),
-                         copy.deepcopy(s.ref if ref is None else ref),
-                         copy.deepcopy(s.reward_model if reward_model is None else reward_model),
-                         s.grammar, s.train_prompts, s.eval_prompts, small_ppo_config(**overrides))
+        return train_ppo(
+            copy.deepcopy(s.policy if policy is None else policy),
+            copy.deepcopy(s.ref if ref is None else ref),
+            copy.deepcopy(s.reward_model if reward_model is None else reward_model),
+            s.grammar,
+            s.train_prompts,
+            s.eval_prompts,
+            small_ppo_config(**overrides),
+        )
 
     return run
 

@@ -27,11 +27,20 @@ def runs():
     task, grammar, sft_model, reward_model, _ = build_upstream(params, torch.device("cpu"))
 
     def run(cell, seed):
-        return train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar, task["train_prompts"],
-                         task["eval_prompts"], params.ppo_config(cell.kl, seed))["evals"]
+        return train_ppo(
+            copy.deepcopy(sft_model),
+            sft_model,
+            reward_model,
+            grammar,
+            task["train_prompts"],
+            task["eval_prompts"],
+            params.ppo_config(cell.kl, seed),
+        )["evals"]
 
-    return {seed: {"none": run(baseline_cell(seed), seed), "strong": run(find_cell(params, "reward_k1", 0.3, seed),
-                                                                          seed)} for seed in SEEDS}
+    return {
+        seed: {"none": run(baseline_cell(seed), seed), "strong": run(find_cell(params, "reward_k1", 0.3, seed), seed)}
+        for seed in SEEDS
+    }
 
 
 @pytest.mark.parametrize("seed", SEEDS)

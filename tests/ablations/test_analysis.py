@@ -1,6 +1,7 @@
 """End-to-end test of the analysis stage on fake run directories with a planted effect."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -13,8 +14,10 @@ from ablations.config import load_params
 from ablations.grid import BASELINE, cells
 from pipelines import analysis as stage
 
-ARMS = {"reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
-        "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"}}
+ARMS = {
+    "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
+    "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"},
+}
 COEFS = [0.05, 0.2]
 SEEDS = [0, 1, 2, 3, 4]
 PLANTED = 0.3  # loss_k1 earns this much more gold than reward_k1 at every KL
@@ -22,11 +25,21 @@ ITERS = np.arange(0, 45, 5)
 
 
 def write_params(path, margin=0.05):
-    path.write_text(yaml.safe_dump({
-        "grid": {"arms": ARMS, "coefs": COEFS, "seeds": SEEDS},
-        "analysis": {"metric": "final_gold", "reference_arm": "reward_k1", "margin": margin, "alpha": 0.05,
-                     "power": 0.8, "kl_budgets": [2.0, 4.0, 8.0]},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "grid": {"arms": ARMS, "coefs": COEFS, "seeds": SEEDS},
+                "analysis": {
+                    "metric": "final_gold",
+                    "reference_arm": "reward_k1",
+                    "margin": margin,
+                    "alpha": 0.05,
+                    "power": 0.8,
+                    "kl_budgets": [2.0, 4.0, 8.0],
+                },
+            }
+        )
+    )
     return load_params(path)
 
 
@@ -41,30 +54,71 @@ def fake_runs(root, params, effect=PLANTED):
         kl = final_kl * (ITERS / ITERS[-1]) ** 1.2 * rng.uniform(0.95, 1.05, len(ITERS))
         kl[0] = 0.0
         offset = effect if cell.arm == "loss_k1" else 0.0
-        gold = (0.2 + 0.12 * kl - 0.005 * kl**2 + offset * (kl > 0) + seed_effect[cell.seed]
-                + rng.normal(0, 0.01, len(kl)))
+        gold = (
+            0.2 + 0.12 * kl - 0.005 * kl**2 + offset * (kl > 0) + seed_effect[cell.seed] + rng.normal(0, 0.01, len(kl))
+        )
         d = root / cell.out_dir
         d.mkdir(parents=True)
-        ev = pd.DataFrame({"iteration": ITERS, "gold": gold, "proxy": gold + 0.1 * kl, "kl": kl,
-                           "entropy": 1.0, "length": 8.0, "illegal": 0.01})
+        ev = pd.DataFrame(
+            {
+                "iteration": ITERS,
+                "gold": gold,
+                "proxy": gold + 0.1 * kl,
+                "kl": kl,
+                "entropy": 1.0,
+                "length": 8.0,
+                "illegal": 0.01,
+            }
+        )
         ev.to_csv(d / "evals.csv", index=False)
-        pd.DataFrame({"iteration": ITERS, "kl_coef": cell.coef, "kl_reward": 0.0, "pg_loss": 0.0, "vf_loss": 0.0,
-                      "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0, "score": 0.0, "gold_train": gold,
-                      "length": 8.0}).to_csv(d / "history.csv", index=False)
-        (d / "summary.json").write_text(json.dumps({
-            "stage": cell.stage, "arm": cell.arm, "coef": cell.coef, "seed": cell.seed, "target": cell.kl.target,
-            "placement": cell.kl.placement, "estimator": cell.kl.estimator, "adaptive_target": None,
-            "final_gold": gold[-1], "final_proxy": gold[-1] + 1, "final_kl": kl[-1], "final_sqrt_kl": kl[-1] ** 0.5,
-            "final_entropy": 1.0, "final_length": 8.0, "final_illegal": 0.01, "peak_gold": gold.max(),
-            "peak_gold_iteration": int(ITERS[gold.argmax()]), "wall_s": 1.0}))
+        pd.DataFrame(
+            {
+                "iteration": ITERS,
+                "kl_coef": cell.coef,
+                "kl_reward": 0.0,
+                "pg_loss": 0.0,
+                "vf_loss": 0.0,
+                "clipfrac": 0.0,
+                "approxkl": 0.0,
+                "kl_loss": 0.0,
+                "score": 0.0,
+                "gold_train": gold,
+                "length": 8.0,
+            }
+        ).to_csv(d / "history.csv", index=False)
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "stage": cell.stage,
+                    "arm": cell.arm,
+                    "coef": cell.coef,
+                    "seed": cell.seed,
+                    "target": cell.kl.target,
+                    "placement": cell.kl.placement,
+                    "estimator": cell.kl.estimator,
+                    "adaptive_target": None,
+                    "final_gold": gold[-1],
+                    "final_proxy": gold[-1] + 1,
+                    "final_kl": kl[-1],
+                    "final_sqrt_kl": kl[-1] ** 0.5,
+                    "final_entropy": 1.0,
+                    "final_length": 8.0,
+                    "final_illegal": 0.01,
+                    "peak_gold": gold.max(),
+                    "peak_gold_iteration": int(ITERS[gold.argmax()]),
+                    "wall_s": 1.0,
+                }
+            )
+        )
 
 
 def stale_dirs(root):
     """Directories of cells that are not in the grid (a removed arm, coefficient and seed), full of nonsense."""
     for d in (root / "runs/ppo/loss_k2-0.05-0", root / "runs/ppo/loss_k1-0.5-0", root / "runs/baseline/9"):
         d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"arm": "loss_k2", "coef": 9.0, "seed": 9, "final_gold": -99.0,
-                                                    "final_kl": 99.0}))
+        (d / "summary.json").write_text(
+            json.dumps({"arm": "loss_k2", "coef": 9.0, "seed": 9, "final_gold": -99.0, "final_kl": 99.0})
+        )
         pd.DataFrame({"iteration": [0, 5], "gold": [-99.0, -99.0], "kl": [0.0, 99.0]}).to_csv(d / "evals.csv")
 
 
@@ -118,7 +172,7 @@ def test_no_effect_with_a_loose_margin_does_not_matter(tmp_path):
 
 
 def test_missing_cell_names_the_stage_and_writes_nothing(grid):
-    root, params = grid
+    root, _params = grid
     (root / "runs/ppo/loss_k1-0.2-3/summary.json").unlink()
     shutil.rmtree(root / "runs/baseline/2")
     with pytest.raises(A.MissingResultsError) as e:
@@ -131,5 +185,5 @@ def test_results_of_another_cell_are_refused(grid):
     root, params = grid
     s = root / "runs/ppo/reward_k1-0.05-1/summary.json"
     s.write_text(s.read_text().replace('"seed": 1', '"seed": 4'))
-    with pytest.raises(A.MissingResultsError, match="ppo@reward_k1-0.05-1"):
+    with pytest.raises(A.MissingResultsError, match=re.escape("ppo@reward_k1-0.05-1")):
         A.load_runs(params, root)

@@ -22,15 +22,26 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
-    "task": {"n_words": 8, "n_successors": 3, "max_new_tokens": 6, "n_demos": 700, "n_train_prompts": 64,
-             "n_eval_prompts": 32},
+    "task": {
+        "n_words": 8,
+        "n_successors": 3,
+        "max_new_tokens": 6,
+        "n_demos": 700,
+        "n_train_prompts": 64,
+        "n_eval_prompts": 32,
+    },
     "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
     "sft": {"steps": 30, "batch_size": 32},
     "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 20, "batch_size": 16},
     "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
-    "grid": {"arms": {"reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
-                      "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"}},
-             "coefs": [0.1], "seeds": [0, 1]},
+    "grid": {
+        "arms": {
+            "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
+            "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
+        },
+        "coefs": [0.1],
+        "seeds": [0, 1],
+    },
     "analysis": {"reference_arm": "reward_k1", "kl_budgets": [0.01, 0.02]},
     "mlflow": {"experiment": "e2e"},
 }
@@ -38,8 +49,12 @@ TINY = {
 
 def stage_env(repo: Path) -> dict:
     """DVC runs stage commands as `python ...`: put this interpreter first on PATH."""
-    return {**os.environ, "TQDM_DISABLE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        **os.environ,
+        "TQDM_DISABLE": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def sh(repo: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -68,11 +83,14 @@ def visible_runs(repo: Path, experiment: str = "e2e") -> dict[str, list]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("e2e")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     for f in files:
         if f.startswith(("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")) or f in (
-                "dvc.yaml", ".gitignore"):
+            "dvc.yaml",
+            ".gitignore",
+        ):
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / f, repo / f)
     write_params(repo, TINY)
@@ -95,7 +113,8 @@ def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     assert "Running stage" not in again, again
     runs = visible_runs(repo)
     expected = {"sft", "rm", "analysis", "baseline@0", "baseline@1"} | {
-        f"ppo@{a}-0.1-{s}" for a in ("reward_k1", "loss_k3") for s in (0, 1)}
+        f"ppo@{a}-0.1-{s}" for a in ("reward_k1", "loss_k3") for s in (0, 1)
+    }
     assert set(runs) == expected
     assert all(len(v) == 1 and v[0].info.status == "FINISHED" for v in runs.values())
     cell = runs["ppo@loss_k3-0.1-1"][0]
@@ -120,15 +139,18 @@ def test_adding_a_seed_runs_only_new_cells_and_rerun_keeps_one_run(repo):
     assert json.loads((repo / "reports/stats.json").read_text())["n_runs"] == 6
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda p: p["grid"]["arms"]["reward_k1"].update(placement="rewrad"), "'reward', 'loss' or 'both'"),
-    (lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3' or 'full'"),
-    (lambda p: p["grid"].update(coefs=[-0.1]), "grid.coefs"),
-    (lambda p: p["grid"].update(seeds=[]), "grid.seeds"),
-    (lambda p: p["grid"].update(seeds=[1, 1]), "duplicate seed 1"),
-    (lambda p: p["ppo"].update(learning_rate=1.0), "unknown key 'ppo.learning_rate'"),
-    (lambda p: p["grid"]["arms"].update(bad={"placement": "none", "estimator": "k1"}), "no-KL baseline"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p["grid"]["arms"]["reward_k1"].update(placement="rewrad"), "'reward', 'loss' or 'both'"),
+        (lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3' or 'full'"),
+        (lambda p: p["grid"].update(coefs=[-0.1]), "grid.coefs"),
+        (lambda p: p["grid"].update(seeds=[]), "grid.seeds"),
+        (lambda p: p["grid"].update(seeds=[1, 1]), "duplicate seed 1"),
+        (lambda p: p["ppo"].update(learning_rate=1.0), "unknown key 'ppo.learning_rate'"),
+        (lambda p: p["grid"]["arms"].update(bad={"placement": "none", "estimator": "k1"}), "no-KL baseline"),
+    ],
+)
 def test_bad_params_fail_before_any_compute(repo, mutate, message):
     good = (repo / "params.yaml").read_text()
     params = yaml.safe_load(good)
@@ -151,11 +173,16 @@ def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
     params["ppo"]["iterations"] = 400  # long enough to be killed mid-run
     write_params(repo, params)
     env = stage_env(repo)
-    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro", "--single-item", stage],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not [r for r in visible_runs(repo).get(stage, [])
-                                          if r.info.status == "RUNNING"]:
+    while time.time() < deadline and not [r for r in visible_runs(repo).get(stage, []) if r.info.status == "RUNNING"]:
         time.sleep(0.5)
     time.sleep(2)
     os.killpg(proc.pid, signal.SIGTERM)

@@ -39,8 +39,9 @@ PLOT_POINT = ".js-plotly-plot .scatterlayer path.point"  # plotly marker of one 
 CLOSE_ASSISTANT = '[data-component-id="mlflow.assistant.chat_panel.close"]'  # side panel, only for the screenshot
 
 if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-    pytest.skip(f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)",
-                allow_module_level=True)
+    pytest.skip(
+        f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)", allow_module_level=True
+    )
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install -e .[dev])")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -78,15 +79,28 @@ def mlflow_ui(store, tmp_path):
     """`mlflow ui` on 127.0.0.1:<free port> over the store; yields its base URL and is always stopped."""
     port = free_port()
     log = (tmp_path / "mlflow_ui.log").open("w")
-    env = {**os.environ,
-           # the background job runner (GenAI judges, trace roll-ups) is not needed for runs and metric charts;
-           # without it the server starts faster and leaves no huey processes behind
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store['db']}",
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {
+        **os.environ,
+        # the background job runner (GenAI judges, trace roll-ups) is not needed for runs and metric charts;
+        # without it the server starts faster and leaves no huey processes behind
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        f"sqlite:///{store['db']}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # own process group: `mlflow ui` runs uvicorn as a child, and both must go at the end
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop():
         for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
@@ -128,9 +142,19 @@ def server_log(tmp_path: Path) -> str:
 @pytest.fixture
 def browser(tmp_path):
     options = webdriver.ChromeOptions()
-    for arg in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--window-size=1600,1000", f"--user-data-dir={tmp_path / 'chromium-profile'}"]:
+    for arg in [
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1600,1000",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ]:
         options.add_argument(arg)
     options.binary_location = str(CHROMIUM)
     # an explicit driver path: Selenium Manager never tries to download one
@@ -161,9 +185,10 @@ def test_runs_and_metric_chart_show_in_mlflow_ui(store, mlflow_ui, browser, tmp_
     # overview) lists both stage runs by name, each linking to its run page.
     browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs?workflowType=machine_learning")
     for stage, run_id in runs.items():
-        link = wait.until(lambda d, rid=run_id: d.find_element(By.CSS_SELECTOR,
-                                                               RUN_LINK.format(exp_id=exp_id, run_id=rid)),
-                          f"no link to run {stage} ({run_id}) in the runs table")
+        link = wait.until(
+            lambda d, rid=run_id: d.find_element(By.CSS_SELECTOR, RUN_LINK.format(exp_id=exp_id, run_id=rid)),
+            f"no link to run {stage} ({run_id}) in the runs table",
+        )
         assert link.text.strip() == stage
     browser.save_screenshot(str(tmp_path / "mlflow_runs.png"))
 

@@ -15,12 +15,15 @@ def _lp(*deltas):
     return torch.tensor([deltas], dtype=torch.float64), torch.zeros(1, len(deltas), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    # delta = log 2, -log 2, 0
-    ("k1", [0.693147, -0.693147, 0.0]),
-    ("k2", [0.240227, 0.240227, 0.0]),  # log(2)^2 / 2
-    ("k3", [0.193147, 0.306853, 0.0]),  # 1/2 - 1 + log 2;  2 - 1 - log 2
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        # delta = log 2, -log 2, 0
+        ("k1", [0.693147, -0.693147, 0.0]),
+        ("k2", [0.240227, 0.240227, 0.0]),  # log(2)^2 / 2
+        ("k3", [0.193147, 0.306853, 0.0]),  # 1/2 - 1 + log 2;  2 - 1 - log 2
+    ],
+)
 def test_sampled_estimators_match_hand_computed_values(estimator, expected):
     logprobs, target = _lp(LOG2, -LOG2, 0.0)
     out = K.kl_per_token(estimator, logprobs, target)
@@ -109,13 +112,17 @@ def test_reward_penalty_and_loss_penalty():
 
 # --- KL coefficient controllers ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("current_kl, expected_error", [
-    (12.0, 0.2),  # far above target: error clipped at +0.2
-    (6.6, 0.1),  # slightly above: unclipped
-    (6.0, 0.0),  # on target
-    (5.4, -0.1),  # slightly below
-    (0.0, -0.2),  # far below: clipped at -0.2
-])
+
+@pytest.mark.parametrize(
+    "current_kl, expected_error",
+    [
+        (12.0, 0.2),  # far above target: error clipped at +0.2
+        (6.6, 0.1),  # slightly above: unclipped
+        (6.0, 0.0),  # on target
+        (5.4, -0.1),  # slightly below
+        (0.0, -0.2),  # far below: clipped at -0.2
+    ],
+)
 def test_adaptive_controller_update_exact_value(current_kl, expected_error):
     ctl = K.AdaptiveKLController(0.1, target=6.0, horizon=10_000)
     ctl.update(current_kl, n_steps=64)

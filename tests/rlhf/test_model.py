@@ -30,7 +30,7 @@ def slow_generate(model, prompts, max_new_tokens, temperature, generator, eos):
         nxt[done] = eos
         done = done | (nxt == eos)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-    return tokens[:, prompts.shape[1]:]
+    return tokens[:, prompts.shape[1] :]
 
 
 @pytest.mark.parametrize("temperature, eos_bias", [(1.0, 0.0), (0.7, 1.5)])
@@ -50,7 +50,7 @@ def test_cached_logits_match_full_forward_at_every_prefix():
         h, cache = model.hidden(tokens[:, :P])
         cached = [model.head(h)]
         for i in range(P, P + T):
-            h, cache = model.hidden(tokens[:, i:i + 1], cache, start=i)
+            h, cache = model.hidden(tokens[:, i : i + 1], cache, start=i)
             cached.append(model.head(h))
     torch.testing.assert_close(torch.cat(cached, dim=1), full, atol=1e-5, rtol=0)
 
@@ -91,7 +91,7 @@ def test_response_logits_align_with_response_tokens_and_scale_by_temperature():
         full = model(torch.cat([prompts, responses], dim=1))
     assert logits.shape == (3, T, V)
     # logits[:, i] is the prediction for responses[:, i], made at position P - 1 + i
-    torch.testing.assert_close(logits, full[:, P - 1:P - 1 + T] / 0.5)
+    torch.testing.assert_close(logits, full[:, P - 1 : P - 1 + T] / 0.5)
     lp = logprobs_from_logits(logits, responses)
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(2, responses[..., None]).squeeze(-1))
     assert (lp <= 0).all()

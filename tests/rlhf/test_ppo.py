@@ -128,26 +128,32 @@ def test_value_loss_clipping():
 # --- KLConfig validation --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(placement="none", estimator="k1"),
-    dict(placement="reward", estimator=None),
-    dict(placement="loss", estimator=None),
-    dict(placement="reward", estimator="k1", target="old_policy", adaptive_target=6.0),
-    dict(coef=-0.1),
-    dict(estimator="k5"),
-    dict(adaptive_target=0.0),
-    dict(unknown_field=1),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(placement="none", estimator="k1"),
+        dict(placement="reward", estimator=None),
+        dict(placement="loss", estimator=None),
+        dict(placement="reward", estimator="k1", target="old_policy", adaptive_target=6.0),
+        dict(coef=-0.1),
+        dict(estimator="k5"),
+        dict(adaptive_target=0.0),
+        dict(unknown_field=1),
+    ],
+)
 def test_klconfig_rejects_inconsistent_settings(kwargs):
     with pytest.raises(ValidationError):
         KLConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(placement="none", estimator=None),
-    dict(placement="both", estimator="full", target="old_policy"),
-    dict(placement="loss", estimator="k3", adaptive_target=6.0, coef=0.0),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(placement="none", estimator=None),
+        dict(placement="both", estimator="full", target="old_policy"),
+        dict(placement="loss", estimator="k3", adaptive_target=6.0, coef=0.0),
+    ],
+)
 def test_klconfig_accepts_consistent_settings(kwargs):
     KLConfig(**kwargs)
 
@@ -208,8 +214,10 @@ def test_zero_coef_runs_do_see_nonzero_kl(run_ppo):
     assert abs(out["history"][0]["kl_loss"]) > 1e-4
 
 
-@pytest.mark.parametrize("placement, reward_calls, loss_calls", [
-    ("none", False, False), ("reward", True, False), ("loss", False, True), ("both", True, True)])
+@pytest.mark.parametrize(
+    "placement, reward_calls, loss_calls",
+    [("none", False, False), ("reward", True, False), ("loss", False, True), ("both", True, True)],
+)
 def test_placement_selects_penalty_functions(run_ppo, monkeypatch, placement, reward_calls, loss_calls):
     calls = {"reward_penalty": 0, "loss_penalty": 0}
     for name in calls:
@@ -251,8 +259,9 @@ def _run_recording(run_ppo, monkeypatch, **overrides):
 def test_reward_placement_changes_only_rewards_by_minus_coef_k(run_ppo, ppo_setup, monkeypatch, estimator):
     coef = 0.5
     _, roll_none, aar_none = _run_recording(run_ppo, monkeypatch, kl=dict(placement="none", estimator=None))
-    _, roll_kl, aar_kl = _run_recording(run_ppo, monkeypatch,
-                                        kl=dict(placement="reward", estimator=estimator, coef=coef))
+    _, roll_kl, aar_kl = _run_recording(
+        run_ppo, monkeypatch, kl=dict(placement="reward", estimator=estimator, coef=coef)
+    )
     (prompts, responses), (prompts_kl, responses_kl) = roll_none[0], roll_kl[0]
     assert torch.equal(prompts, prompts_kl) and torch.equal(responses, responses_kl)
     first_none, first_kl = aar_none[0], aar_kl[0]
@@ -273,8 +282,9 @@ def test_reward_placement_changes_only_rewards_by_minus_coef_k(run_ppo, ppo_setu
 
 def test_loss_placement_keeps_rollout_rewards_but_changes_the_update(run_ppo, monkeypatch):
     out_none, roll_none, aar_none = _run_recording(run_ppo, monkeypatch, kl=dict(placement="none", estimator=None))
-    out_loss, roll_loss, aar_loss = _run_recording(run_ppo, monkeypatch,
-                                                   kl=dict(placement="loss", estimator="k1", coef=0.5))
+    out_loss, roll_loss, aar_loss = _run_recording(
+        run_ppo, monkeypatch, kl=dict(placement="loss", estimator="k1", coef=0.5)
+    )
     assert torch.equal(roll_none[0][1], roll_loss[0][1])
     assert torch.equal(aar_none[0]["rewards"], aar_loss[0]["rewards"])
     assert torch.equal(aar_none[0]["advantages"], aar_loss[0]["advantages"])
@@ -284,8 +294,11 @@ def test_loss_placement_keeps_rollout_rewards_but_changes_the_update(run_ppo, mo
 
 def test_adaptive_coef_exact_first_update(run_ppo, ppo_setup):
     """Policy = reference, so the first rollout's KL is 0: error clipped to -0.2, coef *= 1 - 0.2 * 8 / 100."""
-    out = run_ppo(policy=ppo_setup.ref, iterations=3,
-                  kl=dict(placement="reward", estimator="k1", coef=0.1, adaptive_target=1.0, horizon=100))
+    out = run_ppo(
+        policy=ppo_setup.ref,
+        iterations=3,
+        kl=dict(placement="reward", estimator="k1", coef=0.1, adaptive_target=1.0, horizon=100),
+    )
     coefs = [row["kl_coef"] for row in out["history"]]
     assert coefs[0] == 0.1
     assert coefs[1] == pytest.approx(0.1 * (1 - 0.2 * 8 / 100), rel=1e-12)
@@ -317,8 +330,9 @@ def test_train_ppo_does_not_touch_its_inputs_other_than_policy(ppo_setup):
     ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
     rm_state = {k: v.clone() for k, v in rm.state_dict().items()}
     policy_state = {k: v.clone() for k, v in policy.state_dict().items()}
-    ppo.train_ppo(policy, ref, rm, ppo_setup.grammar, ppo_setup.train_prompts, ppo_setup.eval_prompts,
-                  small_ppo_config())
+    ppo.train_ppo(
+        policy, ref, rm, ppo_setup.grammar, ppo_setup.train_prompts, ppo_setup.eval_prompts, small_ppo_config()
+    )
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ref_state.items())
     assert all(torch.equal(v, rm.state_dict()[k]) for k, v in rm_state.items())
     assert not all(torch.equal(v, policy.state_dict()[k]) for k, v in policy_state.items())
