@@ -1,7 +1,8 @@
-"""The grid of PPO cells named by params.yaml, and where each cell's results live.
+"""The grid of PPO cells named by params.yaml, their DVC stage names, and where each cell's results live.
 
 Stage names match dvc.yaml: ``ppo@<arm>-<coef>-<seed>`` (a DVC matrix over grid.arms x grid.coefs x grid.seeds)
-and ``baseline@<seed>`` (the no-KL arm, once per seed; its coefficient is irrelevant).
+and ``baseline@<seed>`` (the no-KL arm, once per seed; its coefficient is irrelevant). ``stage_name`` is the one
+function that makes them, the same way DVC does (tests/ablations/test_grid.py checks it against DVC itself).
 """
 
 from __future__ import annotations
@@ -10,10 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ablations.config import Params
-from rlhf.ppo import KLConfig
+from rlhf.config import KLConfig, no_kl
 
 RUNS_DIR = Path("runs")
 BASELINE = "none"
+
+
+def matrix_key(value) -> str:
+    """How DVC writes one matrix value into a stage name (dvc/parsing/interpolate.py ``to_str``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def stage_name(group: str, *values) -> str:
+    """``group@v1-v2-...``: DVC's name for the matrix stage of ``group`` at these values (dvc/parsing
+    ``MatrixDefinition``: the values joined by '-' after '@')."""
+    return f"{group}@" + "-".join(matrix_key(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -25,18 +39,19 @@ class Cell:
 
     @property
     def stage(self) -> str:
-        return f"baseline@{self.seed}" if self.arm == BASELINE else f"ppo@{self.arm}-{self.coef}-{self.seed}"
+        if self.arm == BASELINE:
+            return stage_name("baseline", self.seed)
+        return stage_name("ppo", self.arm, self.coef, self.seed)
 
     @property
     def out_dir(self) -> Path:
-        """runs/<stage group>/<cell>; must match the outs of dvc.yaml."""
-        if self.arm == BASELINE:
-            return RUNS_DIR / "baseline" / str(self.seed)
-        return RUNS_DIR / "ppo" / f"{self.arm}-{self.coef}-{self.seed}"
+        """runs/<stage group>/<matrix key>; must match the outs of dvc.yaml."""
+        group, key = self.stage.split("@")
+        return RUNS_DIR / group / key
 
 
 def baseline_cell(seed: int) -> Cell:
-    return Cell(BASELINE, 0.0, seed, KLConfig(placement="none", estimator=None, coef=0.0))
+    return Cell(BASELINE, 0.0, seed, no_kl())
 
 
 def cells(params: Params) -> list[Cell]:

@@ -21,8 +21,6 @@ from pipelines.common import (
 from rlhf.model import TinyLM
 from rlhf.sft import response_nll, train_sft
 
-HELDOUT = 500  # the last demonstrations are held out for NLL
-
 
 def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict, dict, list[float]]:
     """Returns (model, arch, metrics, per-step losses)."""
@@ -36,7 +34,8 @@ def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict,
     }
     torch.manual_seed(p.seed)
     model = new_lm(arch).to(device)
-    (tp, tr), (vp, vr) = (prompts[:-HELDOUT], responses[:-HELDOUT]), (prompts[-HELDOUT:], responses[-HELDOUT:])
+    n = p.n_heldout  # the last demonstrations are held out for the NLL
+    (tp, tr), (vp, vr) = (prompts[:-n], responses[:-n]), (prompts[-n:], responses[-n:])
     with torch.no_grad():
         nll_before = response_nll(model, vp, vr).item()
     with tqdm(total=p.steps, desc="sft", leave=False) as bar:

@@ -21,15 +21,10 @@ Placements:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-Estimator = Literal["k1", "k2", "k3", "full"]
-Placement = Literal["none", "reward", "loss", "both"]
-Target = Literal["reference", "old_policy"]
-ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "full")
+from rlhf.config import ESTIMATORS
 
 
 def kl_per_token(

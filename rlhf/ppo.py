@@ -18,62 +18,13 @@ import math
 from collections.abc import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf import kl as K
+from rlhf.config import PPOConfig
 from rlhf.evaluate import evaluate
 from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
 from rlhf.reward_model import score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
-
-
-class KLConfig(BaseModel):
-    """Which KL, where, estimated how, and how strongly. ``coef`` is the initial value when adaptive."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    target: K.Target = "reference"
-    placement: K.Placement = "reward"
-    estimator: K.Estimator | None = "k1"
-    coef: float = Field(0.05, ge=0.0)
-    adaptive_target: float | None = Field(None, gt=0.0, description="per-sequence KL target (nats); null = fixed")
-    horizon: int = Field(10_000, gt=0)
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.placement == "none" and self.estimator is not None:
-            raise ValueError("estimator must be null when placement is 'none' (there is no KL to estimate)")
-        if self.placement != "none" and self.estimator is None:
-            raise ValueError(f"placement {self.placement!r} needs an estimator: one of {', '.join(K.ESTIMATORS)}")
-        if self.adaptive_target is not None and self.target != "reference":
-            raise ValueError("adaptive_target needs target 'reference' (KL to the rollout policy is 0 at rollout)")
-        return self
-
-
-class PPOConfig(BaseModel):
-    """PPO hyper-parameters. Defaults follow lm-human-preferences / TRL where the task allows."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    iterations: int = Field(60, gt=0)
-    batch_size: int = Field(64, gt=0, description="episodes per rollout")
-    minibatch_size: int = Field(32, gt=0)
-    epochs: int = Field(4, gt=0)
-    lr: float = Field(1e-3, gt=0.0)
-    temperature: float = Field(1.0, gt=0.0)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    cliprange: float = Field(0.2, gt=0.0)
-    cliprange_value: float = Field(0.2, gt=0.0)
-    vf_coef: float = Field(0.1, ge=0.0)
-    whiten_rewards: bool = False
-    eval_every: int = Field(5, gt=0)
-    seed: int = 0
-    kl: KLConfig = KLConfig()
-
-    @model_validator(mode="after")
-    def _divides(self):
-        if self.batch_size % self.minibatch_size:
-            raise ValueError(f"batch_size {self.batch_size} must be a multiple of minibatch_size {self.minibatch_size}")
-        return self
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -148,7 +99,6 @@ def train_ppo(
     train_prompts: torch.Tensor,
     eval_prompts: torch.Tensor,
     cfg: PPOConfig,
-    eval_seed: int = 12345,
     progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Runs PPO in place on ``policy``. Returns {"history": per-iteration dicts, "evals": held-out measurements
@@ -168,7 +118,7 @@ def train_ppo(
     in_reward, in_loss = kc.placement in ("reward", "both"), kc.placement in ("loss", "both")
     measure = lambda it: {
         "iteration": it,
-        **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, cfg.temperature, eval_seed),
+        **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, cfg.temperature, cfg.eval_seed),
     }
     history, evals = [], [measure(0)]
     n_mb = cfg.batch_size // cfg.minibatch_size

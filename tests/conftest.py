@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
 
 from rlhf import reward_model as R  # noqa: E402
+from rlhf.config import KLConfig, PPOConfig  # noqa: E402
 from rlhf.model import ScalarModel, TinyLM, generate  # noqa: E402
-from rlhf.ppo import KLConfig, PPOConfig, train_ppo  # noqa: E402
+from rlhf.ppo import train_ppo  # noqa: E402
 from rlhf.sft import response_nll, train_sft  # noqa: E402
 from rlhf.task import EOS, Grammar, gold_ordered, make_grammar, preference_pairs, sample_prompts, sample_responses  # noqa: E402
 
@@ -101,11 +103,51 @@ def ppo_setup(grammar, sft, rm) -> PPOSetup:
     return PPOSetup(grammar, sft.model, policy, rm.model, train_prompts, eval_prompts)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def merged(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` merged in, section by section (a dict value merges, anything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in overrides.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def repo_params(overrides: dict | None = None) -> dict:
+    """The repository's params.yaml as a dict, with ``overrides`` merged in (``grid.arms`` is replaced whole)."""
+    from ablations.config import read_yaml
+
+    base = read_yaml(REPO / "params.yaml")
+    overrides = copy.deepcopy(overrides or {})
+    arms = overrides.get("grid", {}).pop("arms", None)
+    out = merged(base, overrides)
+    if arms is not None:
+        out["grid"]["arms"] = arms
+    return out
+
+
+# Test values for the fields a small run does not vary (params.yaml holds the pipeline's values).
+PPO_BASE = dict(
+    lr=1e-3,
+    temperature=1.0,
+    gamma=1.0,
+    lam=0.95,
+    cliprange=0.2,
+    cliprange_value=0.2,
+    vf_coef=0.1,
+    whiten_rewards=False,
+    eval_seed=12345,
+    seed=0,
+)
+KL_BASE = dict(target="reference", placement="reward", estimator="k1", coef=0.05)
+
+
 def small_ppo_config(**overrides) -> PPOConfig:
     """iterations=2, batch 8, minibatch 4, 2 epochs, eval every iteration; ``kl`` may be a dict or a KLConfig."""
     kl = overrides.pop("kl", {})
-    kl = kl if isinstance(kl, KLConfig) else KLConfig(**kl)
-    base = dict(iterations=2, batch_size=8, minibatch_size=4, epochs=2, eval_every=1, kl=kl)
+    kl = kl if isinstance(kl, KLConfig) else KLConfig(**{**KL_BASE, **kl})
+    base = dict(iterations=2, batch_size=8, minibatch_size=4, epochs=2, eval_every=1, kl=kl, **PPO_BASE)
     return PPOConfig(**{**base, **overrides})
 
 

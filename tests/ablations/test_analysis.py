@@ -14,6 +14,8 @@ from ablations.config import load_params
 from ablations.grid import BASELINE, cells
 from pipelines import analysis as stage
 
+from ..conftest import repo_params
+
 ARMS = {
     "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
     "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"},
@@ -27,17 +29,19 @@ ITERS = np.arange(0, 45, 5)
 def write_params(path, margin=0.05):
     path.write_text(
         yaml.safe_dump(
-            {
-                "grid": {"arms": ARMS, "coefs": COEFS, "seeds": SEEDS},
-                "analysis": {
-                    "metric": "final_gold",
-                    "reference_arm": "reward_k1",
-                    "margin": margin,
-                    "alpha": 0.05,
-                    "power": 0.8,
-                    "kl_budgets": [2.0, 4.0, 8.0],
-                },
-            }
+            repo_params(
+                {
+                    "grid": {"arms": ARMS, "coefs": COEFS, "seeds": SEEDS},
+                    "analysis": {
+                        "metric": "final_gold",
+                        "reference_arm": "reward_k1",
+                        "margin": margin,
+                        "alpha": 0.05,
+                        "power": 0.8,
+                        "kl_budgets": [2.0, 4.0, 8.0],
+                    },
+                }
+            )
         )
     )
     return load_params(path)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ..conftest import repo_params
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +95,7 @@ def repo(tmp_path_factory) -> Path:
         ):
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / f, repo / f)
-    write_params(repo, TINY)
+    write_params(repo, repo_params(TINY))
     sh(repo, "git", "init", "-q")
     sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")
     sh(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")

@@ -7,10 +7,11 @@ from pydantic import ValidationError
 
 from rlhf import kl as K
 from rlhf import ppo
+from rlhf.config import KLConfig
 from rlhf.model import logprobs_from_logits, response_logits
-from rlhf.ppo import KLConfig, advantages_and_returns, gae, masked_whiten, policy_loss, value_loss
+from rlhf.ppo import advantages_and_returns, gae, masked_whiten, policy_loss, value_loss
 
-from ..conftest import small_ppo_config
+from ..conftest import KL_BASE, small_ppo_config
 
 # --- GAE ------------------------------------------------------------------------------------------------------------
 
@@ -137,13 +138,16 @@ def test_value_loss_clipping():
         dict(placement="reward", estimator="k1", target="old_policy", adaptive_target=6.0),
         dict(coef=-0.1),
         dict(estimator="k5"),
-        dict(adaptive_target=0.0),
+        dict(adaptive_target=0.0, horizon=10),
+        dict(adaptive_target=6.0),  # horizon missing
+        dict(coef=float("inf")),
+        dict(coef=True),  # strict: a boolean is not a number
         dict(unknown_field=1),
     ],
 )
 def test_klconfig_rejects_inconsistent_settings(kwargs):
     with pytest.raises(ValidationError):
-        KLConfig(**kwargs)
+        KLConfig(**{**KL_BASE, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -151,11 +155,11 @@ def test_klconfig_rejects_inconsistent_settings(kwargs):
     [
         dict(placement="none", estimator=None),
         dict(placement="both", estimator="full", target="old_policy"),
-        dict(placement="loss", estimator="k3", adaptive_target=6.0, coef=0.0),
+        dict(placement="loss", estimator="k3", adaptive_target=6.0, horizon=10_000, coef=0.0),
     ],
 )
 def test_klconfig_accepts_consistent_settings(kwargs):
-    KLConfig(**kwargs)
+    KLConfig(**{**KL_BASE, **kwargs})
 
 
 def test_ppo_config_requires_minibatch_to_divide_batch():
@@ -307,8 +311,8 @@ def test_adaptive_coef_exact_first_update(run_ppo, ppo_setup):
 
 @pytest.mark.parametrize("placement", ["reward", "loss"])
 def test_adaptive_coef_changes_fixed_coef_constant(run_ppo, placement):
-    kl = dict(placement=placement, estimator="k3", coef=0.1, horizon=100)
-    adaptive = run_ppo(iterations=3, kl={**kl, "adaptive_target": 0.5})
+    kl = dict(placement=placement, estimator="k3", coef=0.1)
+    adaptive = run_ppo(iterations=3, kl={**kl, "adaptive_target": 0.5, "horizon": 100})
     fixed = run_ppo(iterations=3, kl=kl)
     adaptive_coefs = [row["kl_coef"] for row in adaptive["history"]]
     assert len(set(adaptive_coefs)) == 3
