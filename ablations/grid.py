@@ -50,6 +50,12 @@ class Cell:
         return RUNS_DIR / group / key
 
 
+def upstream_stages(params: Params) -> list[str]:
+    """The DVC stages (or stage groups) every cell depends on: `dvc repro` of these builds data, SFT and reward
+    models before the cells run."""
+    return ["rm"]
+
+
 def baseline_cell(seed: int) -> Cell:
     return Cell(BASELINE, 0.0, seed, no_kl())
 

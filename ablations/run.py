@@ -24,7 +24,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from ablations.config import ParamsError, load_params
-from ablations.grid import Cell, cells
+from ablations.grid import Cell, cells, upstream_stages
 
 DVC = [sys.executable, "-m", "dvc"]
 ROOT = Path.cwd()
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    dvc("repro", "rm")
+    dvc("repro", *upstream_stages(params))
     grid = cells(params)
     todo = stale_cells(grid)
     where = f"Ray at {args.ray_address}" if args.ray_address else f"{args.workers} local workers"
