@@ -91,8 +91,8 @@ class RMParams(BaseModel):
 class PPODefaults(PPOConfig):
     """The ``ppo`` section: every PPOConfig field except ``kl`` and ``seed``, which come from the grid cell."""
 
-    kl: KLConfig | None = None
-    seed: int | None = None
+    kl: object = None  # refused below: the grid supplies it
+    seed: object = None
 
     @model_validator(mode="after")
     def _no_cell_keys(self):

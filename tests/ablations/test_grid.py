@@ -1,0 +1,77 @@
+"""The runner's stage names are DVC's: for every spelling of a value params.yaml accepts, the cells of
+ablations.grid name exactly the stages DVC generates from dvc.yaml, and values that would make them disagree are
+refused before any compute."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from ablations.config import ParamsError, load_params
+from ablations.grid import cells, matrix_key, stage_name
+
+from ..conftest import REPO, repo_params
+
+# Spellings YAML 1.2 (DVC's parser) reads as floats or ints, including the ones where two parsers disagree.
+COEF_SPELLINGS = ["0.1", "1.0", "1e-05", "1.0e-2", ".5", "0.30000000000000004", "2.50", "1000.0", "+0.25", "3E-3"]
+SEED_SPELLINGS = ["0", "7", "010", "2147483647", "+3"]
+
+
+def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
+    from dvc.repo import Repo
+
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "params.yaml").write_text(params_text)
+    Repo.init(str(tmp_path), no_scm=True)
+    with Repo(str(tmp_path)) as repo:
+        return {s.name for s in repo.index.stages}
+
+
+def params_text(coefs: list[str], seeds: list[str]) -> str:
+    """The repository's params.yaml with these coefficients and seeds written verbatim."""
+    p = repo_params()
+    p["grid"]["coefs"], p["grid"]["seeds"] = "COEFS", "SEEDS"
+    text = yaml.safe_dump(p, sort_keys=False)
+    return text.replace("COEFS", "[" + ", ".join(coefs) + "]").replace("SEEDS", "[" + ", ".join(seeds) + "]")
+
+
+def test_matrix_key_is_dvc_to_str():
+    from dvc.parsing.interpolate import to_str
+
+    for value in (0.1, 1.0, 1e-05, 3, 0, True, False, "reward_k1", 0.30000000000000004):
+        assert matrix_key(value) == to_str(value)
+    assert stage_name("ppo", "loss_k3", 0.1, 2) == "ppo@loss_k3-0.1-2"
+
+
+def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
+    text = params_text(COEF_SPELLINGS, SEED_SPELLINGS)
+    (tmp_path / "check.yaml").write_text(text)
+    params = load_params(tmp_path / "check.yaml")
+    ours = {c.stage for c in cells(params)}
+    theirs = dvc_stage_names(tmp_path, text)
+    assert ours <= theirs
+    assert theirs - ours == {"data", "sft", "rm", "analysis"}
+
+
+@pytest.mark.parametrize(
+    "coefs, seeds, message",
+    [
+        (["1"], ["0"], "write every coefficient as a decimal number"),  # DVC would name it ...-1-..., we 1.0
+        (["0.1"], ["1.0"], "grid.seeds.0"),  # a float seed
+        (["0.1"], ["true"], "grid.seeds.0"),  # a boolean seed
+        (["true"], ["0"], "grid.coefs.0"),  # a boolean coefficient
+        (["0.1", "1e-1"], ["0"], "duplicate coefficient"),  # two spellings, one value, one stage name
+        (["0.1"], ["1", "01"], "duplicate seed 1"),
+        ([".inf"], ["0"], "grid.coefs.0"),
+        ([".nan"], ["0"], "grid.coefs.0"),
+        (["0.1"], ["-1"], "grid.seeds.0"),
+    ],
+)
+def test_values_that_would_disagree_or_mislead_are_refused(tmp_path, coefs, seeds, message):
+    path = tmp_path / "params.yaml"
+    path.write_text(params_text(coefs, seeds))
+    with pytest.raises(ParamsError, match=message) as err:
+        load_params(path)
+    assert "\n" not in str(err.value)

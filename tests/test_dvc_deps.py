@@ -1,0 +1,95 @@
+"""Every DVC stage declares every repository module it imports: a code change can never leave a cached result
+silently stale.
+
+For each stage of dvc.yaml (as DVC itself resolves it), the entry module of its `python -m <module>` command is
+followed through every `import` statement anywhere in the file (function-level imports included) to the
+modules of this repository it reaches; each must be covered by one of the stage's deps (the file itself or a
+directory above it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("rlhf", "ablations", "pipelines")
+
+
+def module_file(name: str) -> Path | None:
+    """The repository file of module ``name`` (package -> its __init__.py), or None if it is not ours."""
+    if name.split(".")[0] not in PACKAGES:
+        return None
+    base = REPO.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_modules(path: Path, name: str) -> set[str]:
+    """Names of the modules ``path`` (module ``name``) imports, including ``from pkg import submodule`` forms and
+    the parent packages Python imports on the way."""
+    out: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    parents = {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
+    return out | parents
+
+
+def import_closure(entry: str) -> set[Path]:
+    """Repository files reached from module ``entry`` (itself and its parent packages included)."""
+    seen: dict[str, Path] = {}
+    todo = [entry] + [".".join(entry.split(".")[:i]) for i in range(1, entry.count(".") + 1)]
+    while todo:
+        name = todo.pop()
+        path = module_file(name)
+        if path is None or name in seen:
+            continue
+        seen[name] = path
+        todo += imported_modules(path, name)
+    return set(seen.values())
+
+
+def stage_groups() -> list[tuple[str, str, list[Path]]]:
+    """(name, cmd, deps) of one stage per dvc.yaml entry (a matrix group's stages share their cmd template and
+    deps), as DVC resolves them."""
+    from dvc.repo import Repo
+
+    groups = {}
+    with Repo(str(REPO)) as repo:
+        for s in repo.index.stages:
+            groups.setdefault(s.name.split("@")[0], (s.name, s.cmd, [Path(d.def_path) for d in s.deps]))
+    return list(groups.values())
+
+
+def test_the_walker_follows_function_level_and_from_imports():
+    closure = {p.relative_to(REPO).as_posix() for p in import_closure("pipelines.analysis")}
+    assert {"pipelines/__init__.py", "pipelines/analysis.py", "ablations/config.py", "rlhf/config.py"} <= closure
+    assert "ablations/plots.py" in closure  # imported inside a function of ablations/analysis.py
+
+
+@pytest.mark.parametrize("name, cmd, deps", stage_groups(), ids=lambda x: x.split("@")[0] if isinstance(x, str) else "")
+def test_stage_deps_cover_its_import_closure(name, cmd, deps):
+    words = cmd.split()
+    assert "-m" in words, f"{name}: expected a `python -m <module>` command, got {cmd!r}"
+    entry = words[words.index("-m") + 1]
+    assert module_file(entry), f"{name}: {entry} is not a module of this repository"
+    covered = [REPO / d for d in deps]
+    missing = sorted(
+        p.relative_to(REPO).as_posix()
+        for p in import_closure(entry)
+        if not any(p == c or c in p.parents for c in covered)
+    )
+    assert not missing, f"stage {name} imports modules it does not list in dvc.yaml deps: {', '.join(missing)}"
