@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .test_e2e import TINY, sh, write_params
-
 from ..conftest import REPO, repo_params
+from .test_e2e import TINY, sh, write_params
 
 pytestmark = pytest.mark.slow
 DVC = (sys.executable, "-m", "dvc")
