@@ -33,7 +33,7 @@ from ablations.config import Params
 from ablations.grid import BASELINE, Cell, cells
 from ablations.report import FAMILIES, budget_column, render_report, stats_summary, write_answer
 
-SUMMARY_KEYS = ("arm", "coef", "seed", "final_gold", "final_kl")
+SUMMARY_KEYS = ("arm", "coef", "instance", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
 FIGURES = "figures"  # sub-folder of the output folder holding the PNGs (a DVC out of its own)
 OUTPUTS = (
@@ -88,12 +88,12 @@ def _load_cell(cell: Cell, root: Path) -> tuple[dict, pd.DataFrame]:
     lacking = [k for k in SUMMARY_KEYS if k not in summary] + [c for c in EVAL_COLUMNS if c not in evals.columns]
     if lacking:
         raise MissingResultsError(f"stage {cell.stage}: {d} lacks {', '.join(lacking)}")
-    if (summary["arm"], int(summary["seed"])) != (cell.arm, cell.seed) or (
+    if (summary["arm"], int(summary["instance"])) != (cell.arm, cell.instance) or (
         cell.arm != BASELINE and not math.isclose(float(summary["coef"]), cell.coef)
     ):
         raise MissingResultsError(
             f"stage {cell.stage}: {summary_path} holds arm={summary['arm']} "
-            f"coef={summary['coef']} seed={summary['seed']}; rerun the stage"
+            f"coef={summary['coef']} instance={summary['instance']}; rerun the stage"
         )
     if evals.empty:
         raise MissingResultsError(f"stage {cell.stage}: {evals_path} has no rows")
@@ -105,7 +105,10 @@ def load_runs(params: Params, root: Path | str = ".") -> tuple[pd.DataFrame, pd.
     directories are never listed). Returns (runs, evals). Raises MissingResultsError naming every missing stage."""
     root = Path(root)
     rows, evals, problems = [], [], []
-    for cell in cells(params):
+    # Interim (until protocol v2): one task, the fixed-coefficient cells and the baseline; the unit ("seed" below)
+    # is the task instance, the only PPO seed being grid.seeds[0].
+    task = next(iter(params.tasks()))
+    for cell in [c for c in cells(params) if c.task == task and c.kind != "matched" and c.seed == params.grid.seeds[0]]:
         try:
             summary, ev = _load_cell(cell, root)
         except MissingResultsError as e:
@@ -116,15 +119,15 @@ def load_runs(params: Params, root: Path | str = ".") -> tuple[pd.DataFrame, pd.
             {
                 **summary,
                 "arm": cell.arm,
-                "coef": cell.coef,
-                "seed": cell.seed,
+                "coef": cell.coef or 0.0,
+                "seed": cell.instance,
                 "stage": cell.stage,
                 "target": spec.target,
                 "placement": spec.placement,
                 "estimator": spec.estimator or "-",
             }
         )
-        evals.append(ev.assign(arm=cell.arm, coef=cell.coef, seed=cell.seed))
+        evals.append(ev.assign(arm=cell.arm, coef=cell.coef or 0.0, seed=cell.instance))
     if problems:
         shown = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
         raise MissingResultsError(

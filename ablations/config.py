@@ -33,11 +33,10 @@ class ParamsError(ValueError):
     """A params.yaml problem, worded for the person editing the file (one line)."""
 
 
-class TaskParams(BaseModel):
-    """The synthetic language (rlhf/task.py)."""
+class GrammarTaskParams(BaseModel):
+    """The synthetic language (rlhf/task.py); its seed is the task instance."""
 
     model_config = STRICT
-    seed: Seed
     n_words: int = Field(ge=2, le=10_000)
     n_successors: int = Field(ge=1)
     p_eos: FiniteFloat = Field(gt=0.0, lt=1.0)
@@ -74,7 +73,6 @@ class SFTParams(BaseModel):
     batch_size: int = Field(gt=0, le=1_000_000)
     lr: FiniteFloat = Field(gt=0.0, le=1.0)
     n_heldout: int = Field(gt=0, description="the last demonstrations, held out for NLL")
-    seed: Seed
 
 
 class RMParams(BaseModel):
@@ -85,7 +83,6 @@ class RMParams(BaseModel):
     steps: int = Field(gt=0, le=10_000_000)
     batch_size: int = Field(gt=0, le=1_000_000)
     lr: FiniteFloat = Field(gt=0.0, le=1.0)
-    seed: Seed
 
 
 class PPODefaults(PPOConfig):
@@ -122,15 +119,28 @@ class Arm(BaseModel):
             )
         return data
 
-    def kl(self, coef: float) -> KLConfig:
-        return KLConfig(coef=coef, **self.model_dump())
+    def kl(self, coef: float, **override) -> KLConfig:
+        """This arm's KLConfig at ``coef`` (``override``: e.g. a matched cell's adaptive_target and horizon)."""
+        return KLConfig(**{**self.model_dump(), "coef": coef, **override})
+
+
+class MatchedParams(BaseModel):
+    """The matched-KL cells: every arm steered by the adaptive controller to each task's kl_targets."""
+
+    model_config = STRICT
+    init_coef: FiniteFloat = Field(gt=0.0, le=1_000.0, description="the controller's initial coefficient")
+    horizon: int = Field(gt=0, le=100_000_000, description="controller horizon (episodes)")
 
 
 class Grid(BaseModel):
+    """Arms x coefficients (fixed cells) and arms x KL targets (matched cells), each with every PPO seed, on
+    every instance of every task; plus the no-KL baseline once per instance and seed."""
+
     model_config = STRICT
     arms: dict[str, Arm]
     coefs: list[FiniteFloat]
     seeds: list[Seed]
+    matched: MatchedParams
 
     @field_validator("arms")
     @classmethod
@@ -198,6 +208,52 @@ class AnalysisParams(BaseModel):
         return b
 
 
+def _distinct(name: str, values: list) -> list:
+    dup = sorted({v for v in values if values.count(v) > 1})
+    if dup:
+        raise ValueError(f"duplicate {name} {dup[0]} in {values}")
+    return values
+
+
+class GrammarParams(BaseModel):
+    """Task 1, RLHF: a learned proxy reward model optimised in place of the exact gold reward (rlhf/task.py).
+
+    Each instance is a task seed: its own grammar, prompts, demonstrations, SFT model and reward model."""
+
+    model_config = STRICT
+    instances: list[Seed]
+    task: GrammarTaskParams
+    model: ModelParams
+    sft: SFTParams
+    rm: RMParams
+    ppo: PPODefaults
+    kl_targets: list[FiniteFloat] = Field(description="matched-KL cells: nats per response, exact KL to the SFT model")
+
+    @field_validator("instances")
+    @classmethod
+    def _instances(cls, v):
+        return _distinct("instance", v)
+
+    @field_validator("kl_targets")
+    @classmethod
+    def _targets(cls, v):
+        if any(not 0 < x <= 1_000 for x in v):
+            raise ValueError(f"every KL target must be in (0, 1000] nats (got {v})")
+        return _distinct("KL target", v)
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        if self.sft.n_heldout >= self.task.n_demos:
+            raise ValueError(
+                f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
+                "SFT trains on the rest"
+            )
+        return self
+
+    def ppo_config(self, kl: KLConfig, seed: int) -> PPOConfig:
+        return PPOConfig(**self.ppo.model_dump(exclude={"kl", "seed"}), kl=kl, seed=seed)
+
+
 class MLflowParams(BaseModel):
     model_config = STRICT
     experiment: str = Field(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")
@@ -205,37 +261,35 @@ class MLflowParams(BaseModel):
 
 class Params(BaseModel):
     model_config = STRICT
-    task: TaskParams
-    model: ModelParams
-    sft: SFTParams
-    rm: RMParams
-    ppo: PPODefaults
+    grammar: GrammarParams
     grid: Grid
     analysis: AnalysisParams
     mlflow: MLflowParams
 
     @model_validator(mode="after")
     def _cross(self):
-        if self.sft.n_heldout >= self.task.n_demos:
-            raise ValueError(
-                f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
-                "SFT trains on the rest"
-            )
         if self.analysis.reference_arm not in self.grid.arms:
             raise ValueError(
                 f"analysis.reference_arm {self.analysis.reference_arm!r} is not an arm; "
                 f"allowed: {', '.join(self.grid.arms)}"
             )
+        m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
-            for coef in self.grid.coefs:
+            for kl in [{"coef": c} for c in self.grid.coefs] + [
+                {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
+            ]:
                 try:
-                    arm.kl(coef)
+                    arm.kl(**kl)
                 except ValidationError as e:
                     raise ValueError(f"grid.arms.{name}: {_message(e.errors()[0])}") from None
         return self
 
-    def ppo_config(self, kl: KLConfig, seed: int) -> PPOConfig:
-        return PPOConfig(**self.ppo.model_dump(exclude={"kl", "seed"}), kl=kl, seed=seed)
+    def tasks(self) -> dict[str, GrammarParams]:
+        """The task sections that run, by task name (a task with no instances does not run)."""
+        return {name: section for name in TASKS if (section := getattr(self, name)).instances}
+
+
+TASKS = ("grammar",)  # the task sections of params.yaml, in report order
 
 
 # ---------------------------------------------------------------- messages
@@ -253,7 +307,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
-    return [k for k in model.model_fields if not (model is PPODefaults and k in ("kl", "seed"))]
+    return [k for k in model.model_fields if not (issubclass(model, PPODefaults) and k in ("kl", "seed"))]
 
 
 def _message(err: dict) -> str:

@@ -1,8 +1,14 @@
-"""The grid of PPO cells named by params.yaml, their DVC stage names, and where each cell's results live.
+"""The cells of the experiment named by params.yaml, their DVC stage names, and where each cell's results live.
 
-Stage names match dvc.yaml: ``ppo@<arm>-<coef>-<seed>`` (a DVC matrix over grid.arms x grid.coefs x grid.seeds)
-and ``baseline@<seed>`` (the no-KL arm, once per seed; its coefficient is irrelevant). ``stage_name`` is the one
-function that makes them, the same way DVC does (tests/ablations/test_grid.py checks it against DVC itself).
+For every task with instances (params.yaml ``grammar``, ...), every instance i and PPO seed s:
+
+    <task>_baseline@<i>-<s>                     the no-KL arm ("none")
+    <task>_fixed@<i>-<arm>-<coef>-<s>           each arm at each fixed coefficient (grid.coefs)
+    <task>_matched@<i>-<arm>-<target>-<s>       each arm steered by the adaptive controller to each KL target
+
+exactly as DVC names the matrix stages of dvc.yaml (``stage_name`` is the one function that makes them, the way
+DVC does; tests/ablations/test_grid.py checks it against DVC itself). A cell's outputs live in
+runs/<task>/<kind>/<matrix key>/.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from rlhf.config import KLConfig, no_kl
 
 RUNS_DIR = Path("runs")
 BASELINE = "none"
+KINDS = ("baseline", "fixed", "matched")
 
 
 def matrix_key(value) -> str:
@@ -32,45 +39,62 @@ def stage_name(group: str, *values) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    arm: str
-    coef: float
+    """One PPO run: a task instance, an arm and its strength (a fixed coef, or a KL target), a seed."""
+
+    task: str
+    kind: str  # one of KINDS
+    instance: int
+    arm: str  # BASELINE for the no-KL arm
     seed: int
     kl: KLConfig
+    coef: float | None = None  # fixed cells
+    kl_target: float | None = None  # matched cells
+
+    @property
+    def group(self) -> str:
+        return f"{self.task}_{self.kind}"
+
+    @property
+    def values(self) -> tuple:
+        """The matrix values of the stage, in dvc.yaml's order."""
+        strength = {"baseline": (), "fixed": (self.arm, self.coef), "matched": (self.arm, self.kl_target)}
+        return (self.instance, *strength[self.kind], self.seed)
 
     @property
     def stage(self) -> str:
-        if self.arm == BASELINE:
-            return stage_name("baseline", self.seed)
-        return stage_name("ppo", self.arm, self.coef, self.seed)
+        return stage_name(self.group, *self.values)
 
     @property
     def out_dir(self) -> Path:
-        """runs/<stage group>/<matrix key>; must match the outs of dvc.yaml."""
-        group, key = self.stage.split("@")
-        return RUNS_DIR / group / key
-
-
-def upstream_stages(params: Params) -> list[str]:
-    """The DVC stages (or stage groups) every cell depends on: `dvc repro` of these builds data, SFT and reward
-    models before the cells run."""
-    return ["rm"]
-
-
-def baseline_cell(seed: int) -> Cell:
-    return Cell(BASELINE, 0.0, seed, no_kl())
+        """runs/<task>/<kind>/<matrix key>; must match the outs of dvc.yaml."""
+        return RUNS_DIR / self.task / self.kind / self.stage.split("@", 1)[1]
 
 
 def cells(params: Params) -> list[Cell]:
-    """Every cell of the current grid, baseline first, in a stable order."""
-    out = [baseline_cell(s) for s in params.grid.seeds]
-    for arm, spec in params.grid.arms.items():
-        for coef in params.grid.coefs:
-            out += [Cell(arm, coef, s, spec.kl(coef)) for s in params.grid.seeds]
+    """Every cell of the current params, in a stable order: by task, instance, kind (baseline first), arm,
+    strength, seed."""
+    g = params.grid
+    out = []
+    for task, section in params.tasks().items():
+        for i in section.instances:
+            out += [Cell(task, "baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
+            for arm, spec in g.arms.items():
+                for coef in g.coefs:
+                    out += [Cell(task, "fixed", i, arm, s, spec.kl(coef), coef=coef) for s in g.seeds]
+                for target in section.kl_targets:
+                    kl = spec.kl(g.matched.init_coef, adaptive_target=target, horizon=g.matched.horizon)
+                    out += [Cell(task, "matched", i, arm, s, kl, kl_target=target) for s in g.seeds]
     return out
 
 
-def find_cell(params: Params, arm: str, coef: float, seed: int) -> Cell:
+def find_cell(params: Params, stage: str) -> Cell:
+    """The cell of ``params`` whose DVC stage name is ``stage`` (KeyError naming the stage otherwise)."""
     for c in cells(params):
-        if (c.arm, c.seed) == (arm, seed) and (arm == BASELINE or c.coef == coef):
+        if c.stage == stage:
             return c
-    raise KeyError(f"no grid cell arm={arm} coef={coef} seed={seed} in params.yaml")
+    raise KeyError(f"no cell named {stage!r} in params.yaml (stale dvc.yaml entry, or a grid value was removed)")
+
+
+def upstream_stages(params: Params) -> list[str]:
+    """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and reward models."""
+    return [f"{task}_rm" for task in params.tasks()]

@@ -245,7 +245,8 @@ def render_report(res: Results, images: dict[str, str]) -> str:
     p, a = res.params, res.params.analysis
     c = res.comparisons
     fam_sizes = ", ".join(f"{name} ({int((c.family == f).sum())} comparisons)" for f, name in FAMILIES.items())
-    n_seeds = len(p.grid.seeds)
+    units = next(iter(p.tasks().values())).instances  # interim: the task instances are the unit
+    n_seeds = len(units)
     exact_floor = 2 / 2**n_seeds
     L = [
         "# Does it matter where the KL penalty goes? PPO-RLHF ablation report",
@@ -262,7 +263,7 @@ def render_report(res: Results, images: dict[str, str]) -> str:
         f"- Primary metric: `{a.metric}` (gold reward on the held-out prompts at the end of training). "
         f"Reference arm: `{a.reference_arm}`. Every other arm, and the no-KL baseline (`{BASELINE}`, one run "
         "per seed, compared at every coefficient), is compared with it.",
-        f"- Unit: the seed ({n_seeds} seeds: {', '.join(map(str, p.grid.seeds))}); arms share seeds, so tests are "
+        f"- Unit: the seed ({n_seeds} task instances: {', '.join(map(str, units))}); arms share seeds, so tests are "
         "paired t-tests on per-seed differences (Welch's t-test when the seeds do not match, e.g. when some runs "
         "never reach a KL budget). Difference of means with an unadjusted 95% CI; effect size Cohen's d_z "
         "(paired) or Hedges' g (Welch).",
@@ -388,7 +389,7 @@ def stats_summary(res: Results) -> dict:
         {
             "headline": res.headline,
             "n_runs": len(res.runs),
-            "n_seeds": len(res.params.grid.seeds),
+            "n_seeds": len(next(iter(res.params.tasks().values())).instances),
             "metric": a.metric,
             "reference_arm": a.reference_arm,
             "margin": a.margin,

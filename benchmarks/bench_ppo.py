@@ -43,10 +43,12 @@ def main() -> None:
     torch.set_num_threads(1)
     device = setup()
     params = load_params()
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, device)
+    task, grammar, sft_model, reward_model, _ = build_upstream(params, 0, device)
     mid = params.grid.coefs[len(params.grid.coefs) // 2]
-    cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
-    cfg = params.ppo_config(cell.kl, cell.seed)
+    cell = next(
+        c for c in cells(params) if c.kind == "fixed" and c.arm == params.analysis.reference_arm and c.coef == mid
+    )
+    cfg = params.grammar.ppo_config(cell.kl, cell.seed)
     train, held = task["train_prompts"].to(device), task["eval_prompts"].to(device)
 
     g = torch.Generator(device).manual_seed(0)

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 from ablations.config import load_params
-from ablations.grid import baseline_cell, find_cell
 from pipelines.common import setup
 from pipelines.plots import run_figure
 from pipelines.upstream import build_upstream
+from rlhf.config import no_kl
 from rlhf.ppo import train_ppo
 
 SEEDS = (0, 1, 2)
@@ -23,11 +23,11 @@ ARMS = (("reward_k1", 0.1), ("reward_k1", 0.3))  # KL in the reward, middle and 
 def main() -> None:
     device = setup()
     params = load_params()
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, device)
+    task, grammar, sft_model, reward_model, _ = build_upstream(params, 0, device)
     runs, groups = {}, {}
     for seed in SEEDS:
-        cases = [("no KL", baseline_cell(seed))] + [(f"{a} {c:g}", find_cell(params, a, c, seed)) for a, c in ARMS]
-        for group, cell in cases:
+        cases = [("no KL", no_kl())] + [(f"{a} {c:g}", params.grid.arms[a].kl(c)) for a, c in ARMS]
+        for group, kl in cases:
             out = train_ppo(
                 copy.deepcopy(sft_model),
                 sft_model,
@@ -35,7 +35,7 @@ def main() -> None:
                 grammar,
                 task["train_prompts"].to(device),
                 task["eval_prompts"].to(device),
-                params.ppo_config(cell.kl, seed),
+                params.grammar.ppo_config(kl, seed),
             )
             label = f"{group} s{seed}"
             runs[label], groups[label] = out["evals"], group

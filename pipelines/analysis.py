@@ -1,6 +1,6 @@
-"""DVC stage `analysis`: reads runs/ppo/* and runs/baseline/* of the params.yaml grid, writes reports/.
+"""DVC stage `<task>_analysis`: reads the task's runs (runs/<task>/...) of the params.yaml grid, writes reports/<task>/.
 
-    python -m pipelines.analysis [params.yaml] [reports]
+    python -m pipelines.analysis grammar
 
 Outputs (ablations.analysis.OUTPUTS): reports/report.md, stats.json (metrics), comparisons.csv, runs.csv
 and figures/{gold_vs_kl,learning_curves,forest}.png. Everything is written to a temporary sibling folder first
@@ -24,14 +24,18 @@ REPORTS_DIR = Path("reports")
 
 
 def main(
-    params_file: Path | str = PARAMS_FILE, out_dir: Path | str = REPORTS_DIR, root: Path | str = "."
+    task: str, params_file: Path | str = PARAMS_FILE, out_dir: Path | str | None = None, root: Path | str = "."
 ) -> list[Path]:
-    """Runs the analysis of the runs under ``root`` and moves its outputs into ``out_dir``; returns their paths."""
+    """Runs the analysis of ``task``'s runs under ``root`` and moves its outputs into ``out_dir`` (default
+    reports/<task>); returns their paths."""
     params = load_params(params_file)
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else REPORTS_DIR / task
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
-    with tracking.stage_run("analysis", params.mlflow.experiment, config) as (client, run_id):
+    with tracking.stage_run(f"{task}_analysis", params.mlflow.experiment, config, tags={"task": task}) as (
+        client,
+        run_id,
+    ):
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
             produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
             for rel in produced:  # same file system: each move is atomic; report.md comes last
@@ -49,7 +53,7 @@ def main(
 
 if __name__ == "__main__":
     try:
-        written = main(*sys.argv[1:3])
+        written = main(*sys.argv[1:2])
     except (ParamsError, analysis.MissingResultsError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(map(str, written)))

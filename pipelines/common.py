@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import uuid
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,11 +15,46 @@ import torch
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Grammar
 
-DATA = Path("data/task.pt")
-SFT_MODEL = Path("models/sft.pt")
-RM_MODEL = Path("models/rm.pt")
-METRICS = Path("metrics")
 THREADS_ENV = "RLHF_THREADS"
+
+
+# Where each stage's outputs live (dvc.yaml writes the same paths; the e2e tests run both).
+def data_path(task: str, instance: int) -> Path:
+    return Path("data") / task / str(instance) / "task.pt"
+
+
+def model_path(task: str, instance: int, name: str) -> Path:
+    """models/<task>/<instance>/<name>.pt, name 'sft' or 'rm'."""
+    return Path("models") / task / str(instance) / f"{name}.pt"
+
+
+def metrics_path(task: str, instance: int, name: str) -> Path:
+    return Path("metrics") / task / str(instance) / f"{name}.json"
+
+
+def derived_seed(seed: int, salt: str) -> int:
+    """A seed of its own for each use of an instance seed (CRC-32 of "salt:seed"): e.g. the reward model's prompts
+    are not the data stage's prompts drawn again."""
+    return zlib.crc32(f"{salt}:{seed}".encode())
+
+
+def upstream_stage_args(argv: list[str] | None, stage: str):
+    """`python -m pipelines.<stage> <task> <instance>`: validates params.yaml and the arguments; returns
+    (params, task name, task section, instance). Exits with one line on a bad argument or params.yaml."""
+    import sys
+
+    from ablations.config import ParamsError, load_params
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        params = load_params()
+    except ParamsError as e:
+        sys.exit(f"error: {e}")
+    tasks = params.tasks()
+    if len(args) != 2 or args[0] not in tasks or not args[1].isdigit() or int(args[1]) not in tasks[args[0]].instances:
+        allowed = "; ".join(f"{t} {{{', '.join(map(str, s.instances))}}}" for t, s in tasks.items())
+        sys.exit(f"usage: python -m pipelines.{stage} <task> <instance>; allowed: {allowed} (got {' '.join(args)!r})")
+    return params, args[0], tasks[args[0]], int(args[1])
 
 
 def setup() -> torch.device:

@@ -1,4 +1,7 @@
-"""Stage `data`: the synthetic language, prompts and SFT demonstrations -> data/task.pt."""
+"""Stage `<task>_data@<instance>`: the synthetic language, prompts and SFT demonstrations -> data/<task>/<i>/task.pt.
+
+python -m pipelines.data grammar 0
+"""
 
 from __future__ import annotations
 
@@ -6,17 +9,15 @@ import dataclasses
 
 import torch
 
-from ablations.config import TaskParams, load_params
-from pipelines.common import DATA, save_checkpoint, setup
+from ablations.config import GrammarTaskParams
+from pipelines.common import data_path, save_checkpoint, setup, upstream_stage_args
 from rlhf.task import make_grammar, sample_prompts, sample_responses
 
 
-def build(p: TaskParams) -> dict:
-    """The task as a dict of tensors and numbers (what data/task.pt holds)."""
-    grammar = make_grammar(
-        p.seed, p.n_words, p.n_successors, p.p_eos, p.illegal_penalty, p.prompt_len, p.max_new_tokens
-    )
-    g = torch.Generator().manual_seed(p.seed)
+def build(p: GrammarTaskParams, seed: int) -> dict:
+    """The task instance ``seed`` as a dict of tensors and numbers (what data/<task>/<seed>/task.pt holds)."""
+    grammar = make_grammar(seed, p.n_words, p.n_successors, p.p_eos, p.illegal_penalty, p.prompt_len, p.max_new_tokens)
+    g = torch.Generator().manual_seed(seed)
     demo_prompts = sample_prompts(grammar, p.n_demos, g)
     return {
         "grammar": dataclasses.asdict(grammar),
@@ -27,11 +28,12 @@ def build(p: TaskParams) -> dict:
     }
 
 
-def main() -> None:
-    p = load_params().task
+def main(argv: list[str] | None = None) -> None:
+    _, task, section, instance = upstream_stage_args(argv, "data")
     setup()
-    save_checkpoint(DATA, build(p))
-    print(f"wrote {DATA}: {p.n_words} words, {p.n_demos} demonstrations")
+    path = data_path(task, instance)
+    save_checkpoint(path, build(section.task, instance))
+    print(f"wrote {path}: {section.task.n_words} words, {section.task.n_demos} demonstrations")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Stage `ppo@<arm>-<coef>-<seed>` / `baseline@<seed>`: one PPO run -> runs/<group>/<cell>/.
+"""Stage of one cell, named as DVC names it (ablations/grid.py): one PPO run -> runs/<task>/<kind>/<key>/.
 
 Writes summary.json (DVC metrics), evals.csv and history.csv (DVC plots), all at once when the run ends.
 
-    python -m pipelines.ppo --arm reward_k1 --coef 0.1 --seed 0
-    python -m pipelines.ppo --arm none --seed 0          # the no-KL baseline
+    python -m pipelines.ppo grammar_fixed@0-reward_k1-0.1-0
+    python -m pipelines.ppo grammar_matched@0-loss_k3-5.0-0
+    python -m pipelines.ppo grammar_baseline@0-0          # the no-KL arm
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import copy
 import csv
 import io
 import os
+import sys
 import time
 
 from tqdm import tqdm
 
-from ablations.config import Params, load_params
+from ablations.config import Params, ParamsError, load_params
 from ablations.grid import Cell, find_cell
 from pipelines import tracking
 from pipelines.common import (
-    DATA,
-    RM_MODEL,
-    SFT_MODEL,
     atomic_dir,
+    data_path,
     load_checkpoint,
     load_grammar,
     load_lm,
     load_reward_model,
+    model_path,
     setup,
     write_json,
 )
@@ -44,15 +45,32 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def cell_axes(cell: Cell) -> dict:
+    """What identifies a cell in summary.json, runs.csv and MLflow tags: task, kind, instance, seed, arm, its
+    strength (coef; kl_target for matched cells) and the arm's KL spec as flat fields."""
+    spec = cell.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
+    coef = cell.kl.coef if cell.kind != "baseline" else 0.0
+    return {
+        "task": cell.task,
+        "kind": cell.kind,
+        "instance": cell.instance,
+        "seed": cell.seed,
+        "arm": cell.arm,
+        "coef": coef,
+        "kl_target": cell.kl_target,
+        **{k: ("-" if v is None else v) for k, v in spec.items()},
+    }
+
+
 def run_cell(params: Params, cell: Cell) -> dict:
     """Trains one cell and writes its outputs atomically. Returns its summary."""
     device = setup()
-    task = load_checkpoint(DATA)
+    task = load_checkpoint(data_path(cell.task, cell.instance))
     grammar = load_grammar(task)
-    ref = load_lm(SFT_MODEL, device)
-    reward_model = load_reward_model(RM_MODEL, device)
-    cfg = params.ppo_config(cell.kl, cell.seed)
-    axes = {"arm": cell.arm, "coef": cell.coef, "seed": cell.seed, **cell.kl.model_dump(exclude={"coef"})}
+    ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
+    reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
+    cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed)
+    axes = cell_axes(cell)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
         with tqdm(total=cfg.iterations, desc=cell.stage, leave=False) as bar:
@@ -81,12 +99,14 @@ def run_cell(params: Params, cell: Cell) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arm", required=True, help="an arm of grid.arms, or 'none' for the no-KL baseline")
-    ap.add_argument("--coef", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("stage", help="the cell's DVC stage name, e.g. grammar_fixed@0-reward_k1-0.1-0")
     args = ap.parse_args(argv)
-    params = load_params()
-    summary = run_cell(params, find_cell(params, args.arm, args.coef, args.seed))
+    try:
+        params = load_params()
+        cell = find_cell(params, args.stage)
+    except (ParamsError, KeyError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
+    summary = run_cell(params, cell)
     print(
         f"{summary['stage']}: gold {summary['final_gold']:.3f} proxy {summary['final_proxy']:.3f} "
         f"KL {summary['final_kl']:.2f} ({summary['wall_s']:.1f}s, pid {os.getpid()})"

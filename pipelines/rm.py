@@ -1,4 +1,7 @@
-"""Stage `rm`: preference pairs of SFT samples labelled by gold, Bradley-Terry proxy -> models/rm.pt + metrics."""
+"""Stage `<task>_rm@<instance>`: pairs of SFT samples labelled by gold, Bradley-Terry proxy -> models/<task>/<i>/rm.pt.
+
+python -m pipelines.rm grammar 0
+"""
 
 from __future__ import annotations
 
@@ -6,18 +9,19 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from ablations.config import Params, load_params
+from ablations.config import GrammarParams
 from pipelines import tracking
 from pipelines.common import (
-    DATA,
-    METRICS,
-    RM_MODEL,
-    SFT_MODEL,
+    data_path,
+    derived_seed,
     load_checkpoint,
     load_grammar,
     load_lm,
+    metrics_path,
+    model_path,
     save_checkpoint,
     setup,
+    upstream_stage_args,
     write_json,
 )
 from rlhf import reward_model as R
@@ -25,19 +29,20 @@ from rlhf.model import TinyLM, generate
 from rlhf.task import EOS, Grammar, gold_ordered, gold_reward, illegal_fraction, preference_pairs, sample_prompts
 
 
-def fit(params: Params, grammar: Grammar, sft: TinyLM, device: torch.device):
-    """Returns (reward model, metrics, per-step losses)."""
-    p = params.rm
+def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device: torch.device):
+    """The proxy reward model of task instance ``seed``. Returns (reward model, metrics, per-step losses)."""
+    p = section.rm
+    seed = derived_seed(seed, "rm")  # a stream of its own, not the data stage's prompts again
     # 1. pairs of SFT samples for fresh prompts, labelled by a Bradley-Terry draw on gold
-    g = torch.Generator(device).manual_seed(p.seed)
-    prompts = sample_prompts(grammar, p.n_pairs + p.n_heldout_pairs, torch.Generator().manual_seed(p.seed))
+    g = torch.Generator(device).manual_seed(seed)
+    prompts = sample_prompts(grammar, p.n_pairs + p.n_heldout_pairs, torch.Generator().manual_seed(seed))
     prompts = prompts.to(device)
     a = generate(sft, prompts, grammar.max_new_tokens, 1.0, g, EOS)
     b = generate(sft, prompts, grammar.max_new_tokens, 1.0, g, EOS)
     chosen, rejected, agrees = preference_pairs(grammar, prompts, a, b, p.label_noise, g)
     n = p.n_pairs
     # 2. Bradley-Terry training from the SFT backbone, then normalisation on SFT samples
-    torch.manual_seed(p.seed)
+    torch.manual_seed(seed)
     rm = R.init_reward_model(sft).train()
     with tqdm(total=p.steps, desc="rm", leave=False) as bar:
         losses = R.train_reward_model(
@@ -61,17 +66,21 @@ def fit(params: Params, grammar: Grammar, sft: TinyLM, device: torch.device):
     return rm, metrics, losses
 
 
-def main() -> None:
-    params = load_params()
+def main(argv: list[str] | None = None) -> None:
+    params, task, section, instance = upstream_stage_args(argv, "rm")
     device = setup()
-    grammar = load_grammar(load_checkpoint(DATA))
-    sft = load_lm(SFT_MODEL, device)
-    with tracking.stage_run("rm", params.mlflow.experiment, {"rm": params.rm.model_dump()}) as (client, rid):
-        rm, metrics, losses = fit(params, grammar, sft, device)
+    grammar = load_grammar(load_checkpoint(data_path(task, instance)))
+    sft_path = model_path(task, instance, "sft")
+    sft = load_lm(sft_path, device)
+    tags = {"task": task, "instance": instance, "kind": "rm"}
+    config = {"rm": section.rm.model_dump()}
+    with tracking.stage_run(f"{task}_rm@{instance}", params.mlflow.experiment, config, tags=tags) as (client, rid):
+        rm, metrics, losses = fit(section, instance, grammar, sft, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")
         tracking.log_final(client, rid, metrics)
-        save_checkpoint(RM_MODEL, {"arch": load_checkpoint(SFT_MODEL)["arch"], "state_dict": rm.state_dict()})
-        write_json(METRICS / "rm.json", metrics)
+        arch = load_checkpoint(sft_path)["arch"]
+        save_checkpoint(model_path(task, instance, "rm"), {"arch": arch, "state_dict": rm.state_dict()})
+        write_json(metrics_path(task, instance, "rm"), metrics)
     print("RM " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
 

@@ -1,38 +1,43 @@
-"""Stage `sft`: next-token training on the demonstrations -> models/sft.pt, metrics/sft.json."""
+"""Stage `<task>_sft@<instance>`: next-token training on the demonstrations -> models/<task>/<i>/sft.pt + metrics.
+
+python -m pipelines.sft grammar 0
+"""
 
 from __future__ import annotations
 
 import torch
 from tqdm import tqdm
 
-from ablations.config import Params, load_params
+from ablations.config import GrammarParams
 from pipelines import tracking
 from pipelines.common import (
-    DATA,
-    METRICS,
-    SFT_MODEL,
+    data_path,
     load_checkpoint,
     load_grammar,
+    metrics_path,
+    model_path,
     new_lm,
     save_checkpoint,
     setup,
+    upstream_stage_args,
     write_json,
 )
 from rlhf.model import TinyLM
 from rlhf.sft import response_nll, train_sft
 
 
-def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict, dict, list[float]]:
-    """Returns (model, arch, metrics, per-step losses)."""
-    p = params.sft
+def fit(section: GrammarParams, seed: int, task: dict, device: torch.device) -> tuple[TinyLM, dict, dict, list]:
+    """SFT of task instance ``seed`` (the instance seeds the initialisation and the batches).
+    Returns (model, arch, metrics, per-step losses)."""
+    p = section.sft
     grammar = load_grammar(task)
     prompts, responses = task["demo_prompts"].to(device), task["demo_responses"].to(device)
     arch = {
         "vocab_size": grammar.vocab_size,
         "max_len": grammar.prompt_len + grammar.max_new_tokens,
-        **params.model.model_dump(),
+        **section.model.model_dump(),
     }
-    torch.manual_seed(p.seed)
+    torch.manual_seed(seed)
     model = new_lm(arch).to(device)
     n = p.n_heldout  # the last demonstrations are held out for the NLL
     (tp, tr), (vp, vr) = (prompts[:-n], responses[:-n]), (prompts[-n:], responses[-n:])
@@ -40,7 +45,7 @@ def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict,
         nll_before = response_nll(model, vp, vr).item()
     with tqdm(total=p.steps, desc="sft", leave=False) as bar:
         losses = train_sft(
-            model, tp, tr, p.steps, p.batch_size, p.lr, torch.Generator(device).manual_seed(p.seed), bar.update
+            model, tp, tr, p.steps, p.batch_size, p.lr, torch.Generator(device).manual_seed(seed), bar.update
         )
     with torch.no_grad():
         metrics = {
@@ -51,18 +56,18 @@ def fit(params: Params, task: dict, device: torch.device) -> tuple[TinyLM, dict,
     return model.eval(), arch, metrics, losses
 
 
-def main() -> None:
-    params = load_params()
+def main(argv: list[str] | None = None) -> None:
+    params, task, section, instance = upstream_stage_args(argv, "sft")
     device = setup()
-    task = load_checkpoint(DATA)
-    with tracking.stage_run(
-        "sft", params.mlflow.experiment, {"sft": params.sft.model_dump(), "model": params.model.model_dump()}
-    ) as (client, rid):
-        model, arch, metrics, losses = fit(params, task, device)
+    data = load_checkpoint(data_path(task, instance))
+    config = {"sft": section.sft.model_dump(), "model": section.model.model_dump()}
+    tags = {"task": task, "instance": instance, "kind": "sft"}
+    with tracking.stage_run(f"{task}_sft@{instance}", params.mlflow.experiment, config, tags=tags) as (client, rid):
+        model, arch, metrics, losses = fit(section, instance, data, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")
         tracking.log_final(client, rid, metrics)
-        save_checkpoint(SFT_MODEL, {"arch": arch, "state_dict": model.state_dict()})
-        write_json(METRICS / "sft.json", metrics)
+        save_checkpoint(model_path(task, instance, "sft"), {"arch": arch, "state_dict": model.state_dict()})
+        write_json(metrics_path(task, instance, "sft"), metrics)
     print(f"SFT held-out NLL {metrics['heldout_nll_before']:.3f} -> {metrics['heldout_nll']:.3f} nats/token")
 
 

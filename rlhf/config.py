@@ -42,8 +42,6 @@ class KLConfig(BaseModel):
             raise ValueError("estimator must be null when placement is 'none' (there is no KL to estimate)")
         if self.placement != "none" and self.estimator is None:
             raise ValueError(f"placement {self.placement!r} needs an estimator: one of {', '.join(ESTIMATORS)}")
-        if self.adaptive_target is not None and self.target != "reference":
-            raise ValueError("adaptive_target needs target 'reference' (KL to the rollout policy is 0 at rollout)")
         if (self.adaptive_target is None) != (self.horizon is None):
             raise ValueError(
                 "adaptive_target and horizon go together (both set for the adaptive controller, or neither)"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ablations.config import load_params
-from ablations.grid import baseline_cell, find_cell
 from pipelines.upstream import build_upstream
+from rlhf.config import no_kl
 from rlhf.ppo import train_ppo
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,9 @@ CLEAR_DROP = 0.08  # gold units; the held-out gold mean has a standard error of 
 @pytest.fixture(scope="module")
 def runs():
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, torch.device("cpu"))
+    task, grammar, sft_model, reward_model, _ = build_upstream(params, 0, torch.device("cpu"))
 
-    def run(cell, seed):
+    def run(kl, seed):
         return train_ppo(
             copy.deepcopy(sft_model),
             sft_model,
@@ -34,12 +34,11 @@ def runs():
             grammar,
             task["train_prompts"],
             task["eval_prompts"],
-            params.ppo_config(cell.kl, seed),
+            params.grammar.ppo_config(kl, seed),
         )["evals"]
 
     return {
-        seed: {"none": run(baseline_cell(seed), seed), "strong": run(find_cell(params, "reward_k1", 0.3, seed), seed)}
-        for seed in SEEDS
+        seed: {"none": run(no_kl(), seed), "strong": run(params.grid.arms["reward_k1"].kl(0.3), seed)} for seed in SEEDS
     }
 
 

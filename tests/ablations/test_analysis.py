@@ -31,7 +31,8 @@ def write_params(path, margin=0.05):
         yaml.safe_dump(
             repo_params(
                 {
-                    "grid": {"arms": ARMS, "coefs": COEFS, "seeds": SEEDS},
+                    "grammar": {"instances": SEEDS},
+                    "grid": {"arms": ARMS, "coefs": COEFS, "seeds": [0]},
                     "analysis": {
                         "metric": "final_gold",
                         "reference_arm": "reward_k1",
@@ -51,7 +52,7 @@ def fake_runs(root, params, effect=PLANTED):
     """One run per cell: KL grows to a level set by arm and coef (baseline fastest), gold is an
     over-optimisation curve of KL plus the arm's offset, a per-seed effect shared by all arms, and noise."""
     seed_effect = np.random.default_rng(99).normal(0, 0.05, len(SEEDS))
-    for i, cell in enumerate(cells(params)):
+    for i, cell in enumerate(c for c in cells(params) if c.kind != "matched"):
         rng = np.random.default_rng(i)
         scale = 12.0 if cell.arm == "loss_k1" else 10.0
         final_kl = 20.0 if cell.arm == BASELINE else scale * (0.05 / cell.coef) ** 0.5
@@ -59,7 +60,12 @@ def fake_runs(root, params, effect=PLANTED):
         kl[0] = 0.0
         offset = effect if cell.arm == "loss_k1" else 0.0
         gold = (
-            0.2 + 0.12 * kl - 0.005 * kl**2 + offset * (kl > 0) + seed_effect[cell.seed] + rng.normal(0, 0.01, len(kl))
+            0.2
+            + 0.12 * kl
+            - 0.005 * kl**2
+            + offset * (kl > 0)
+            + seed_effect[cell.instance]
+            + rng.normal(0, 0.01, len(kl))
         )
         d = root / cell.out_dir
         d.mkdir(parents=True)
@@ -97,6 +103,7 @@ def fake_runs(root, params, effect=PLANTED):
                     "arm": cell.arm,
                     "coef": cell.coef,
                     "seed": cell.seed,
+                    "instance": cell.instance,
                     "target": cell.kl.target,
                     "placement": cell.kl.placement,
                     "estimator": cell.kl.estimator,
@@ -118,10 +125,14 @@ def fake_runs(root, params, effect=PLANTED):
 
 def stale_dirs(root):
     """Directories of cells that are not in the grid (a removed arm, coefficient and seed), full of nonsense."""
-    for d in (root / "runs/ppo/loss_k2-0.05-0", root / "runs/ppo/loss_k1-0.5-0", root / "runs/baseline/9"):
+    for d in (
+        root / "runs/grammar/fixed/0-loss_k2-0.05-0",
+        root / "runs/grammar/fixed/0-loss_k1-0.5-0",
+        root / "runs/grammar/baseline/9-0",
+    ):
         d.mkdir(parents=True)
         (d / "summary.json").write_text(
-            json.dumps({"arm": "loss_k2", "coef": 9.0, "seed": 9, "final_gold": -99.0, "final_kl": 99.0})
+            json.dumps({"arm": "loss_k2", "coef": 9.0, "instance": 9, "final_gold": -99.0, "final_kl": 99.0})
         )
         pd.DataFrame({"iteration": [0, 5], "gold": [-99.0, -99.0], "kl": [0.0, 99.0]}).to_csv(d / "evals.csv")
 
@@ -136,7 +147,7 @@ def grid(tmp_path):
 
 def test_whole_analysis_reports_the_planted_difference(grid):
     root, params = grid
-    written = stage.main(root / "params.yaml", root / "reports", root)
+    written = stage.main("grammar", root / "params.yaml", root / "reports", root)
     out = root / "reports"
     assert sorted(written) == sorted(out / f for f in A.OUTPUTS)
     assert all(f.is_file() and f.stat().st_size > 0 for f in written)
@@ -160,7 +171,7 @@ def test_whole_analysis_reports_the_planted_difference(grid):
 
     stats = json.loads((out / "stats.json").read_text())
     assert stats["headline"] == "matters" and stats["verdicts"]["kl"]["difference"] >= 3
-    assert stats["n_runs"] == len(cells(params)) == 25
+    assert stats["n_runs"] == len([c for c in cells(params) if c.kind != "matched"]) == 25
     assert not any("loss_k2" in k or "0.5" in k for k in stats["final_gold"])  # stale cells were ignored
     assert -99.0 not in pd.read_csv(out / "runs.csv").final_gold.to_list()
 
@@ -177,17 +188,17 @@ def test_no_effect_with_a_loose_margin_does_not_matter(tmp_path):
 
 def test_missing_cell_names_the_stage_and_writes_nothing(grid):
     root, _params = grid
-    (root / "runs/ppo/loss_k1-0.2-3/summary.json").unlink()
-    shutil.rmtree(root / "runs/baseline/2")
+    (root / "runs/grammar/fixed/3-loss_k1-0.2-0/summary.json").unlink()
+    shutil.rmtree(root / "runs/grammar/baseline/2-0")
     with pytest.raises(A.MissingResultsError) as e:
-        stage.main(root / "params.yaml", root / "reports", root)
-    assert "ppo@loss_k1-0.2-3" in str(e.value) and "baseline@2" in str(e.value)
+        stage.main("grammar", root / "params.yaml", root / "reports", root)
+    assert "grammar_fixed@3-loss_k1-0.2-0" in str(e.value) and "grammar_baseline@2-0" in str(e.value)
     assert not (root / "reports" / "report.md").exists()
 
 
 def test_results_of_another_cell_are_refused(grid):
     root, params = grid
-    s = root / "runs/ppo/reward_k1-0.05-1/summary.json"
-    s.write_text(s.read_text().replace('"seed": 1', '"seed": 4'))
-    with pytest.raises(A.MissingResultsError, match=re.escape("ppo@reward_k1-0.05-1")):
+    s = root / "runs/grammar/fixed/1-reward_k1-0.05-0/summary.json"
+    s.write_text(s.read_text().replace('"instance": 1', '"instance": 4'))
+    with pytest.raises(A.MissingResultsError, match=re.escape("grammar_fixed@1-reward_k1-0.05-0")):
         A.load_runs(params, root)

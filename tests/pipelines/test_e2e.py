@@ -24,29 +24,43 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
-    "task": {
-        "n_words": 8,
-        "n_successors": 3,
-        "max_new_tokens": 6,
-        "n_demos": 700,
-        "n_train_prompts": 64,
-        "n_eval_prompts": 32,
+    "grammar": {
+        "instances": [0, 1],
+        "kl_targets": [0.05],
+        "task": {
+            "n_words": 8,
+            "n_successors": 3,
+            "max_new_tokens": 6,
+            "n_demos": 700,
+            "n_train_prompts": 64,
+            "n_eval_prompts": 32,
+        },
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+        "sft": {"steps": 30, "batch_size": 32, "n_heldout": 100},
+        "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 20, "batch_size": 16},
+        "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
     },
-    "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
-    "sft": {"steps": 30, "batch_size": 32},
-    "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 20, "batch_size": 16},
-    "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
     "grid": {
         "arms": {
             "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
             "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
         },
         "coefs": [0.1],
-        "seeds": [0, 1],
+        "seeds": [0],
+        "matched": {"init_coef": 0.1, "horizon": 100},
     },
     "analysis": {"reference_arm": "reward_k1", "kl_budgets": [0.01, 0.02]},
     "mlflow": {"experiment": "e2e"},
 }
+ARMS = ("reward_k1", "loss_k3")
+
+
+def cell_stages(instances=(0, 1)) -> set[str]:
+    out = set()
+    for i in instances:
+        out |= {f"grammar_baseline@{i}-0"} | {f"grammar_fixed@{i}-{a}-0.1-0" for a in ARMS}
+        out |= {f"grammar_matched@{i}-{a}-0.05-0" for a in ARMS}
+    return out
 
 
 def stage_env(repo: Path) -> dict:
@@ -104,64 +118,54 @@ def repo(tmp_path_factory) -> Path:
 
 def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     out = sh(repo, sys.executable, "-m", "ablations.run", "--workers", "2")
-    assert "6 of 6 grid cells to run" in out.stdout
-    finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d/6\] \S+: gold ", line)]
-    assert len(finished) == 6, out.stdout  # one line per finished cell
-    stats = json.loads((repo / "reports/stats.json").read_text())
-    assert stats and (repo / "reports/report.md").read_text().strip()
+    assert "10 of 10 grid cells to run" in out.stdout
+    finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/10\] \S+: gold ", line)]
+    assert len(finished) == 10, out.stdout  # one line per finished cell
+    stats = json.loads((repo / "reports/grammar/stats.json").read_text())
+    assert stats and (repo / "reports/grammar/report.md").read_text().strip()
     status = sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout
     assert json.loads(status or "{}") == {}, status
     again = sh(repo, sys.executable, "-m", "dvc", "repro").stdout
     assert "Running stage" not in again, again
     runs = visible_runs(repo)
-    expected = {"sft", "rm", "analysis", "baseline@0", "baseline@1"} | {
-        f"ppo@{a}-0.1-{s}" for a in ("reward_k1", "loss_k3") for s in (0, 1)
-    }
-    assert set(runs) == expected
+    upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (0, 1)}
+    assert set(runs) == upstream | cell_stages() | {"grammar_analysis"}
     assert all(len(v) == 1 and v[0].info.status == "FINISHED" for v in runs.values())
-    cell = runs["ppo@loss_k3-0.1-1"][0]
+    cell = runs["grammar_fixed@1-loss_k3-0.1-0"][0]
     assert cell.data.params["kl.estimator"] == "k3" and cell.data.tags["placement"] == "loss"
     assert "eval/gold" in cell.data.metrics and "git_commit" in cell.data.tags
+    matched = runs["grammar_matched@0-reward_k1-0.05-0"][0]
+    assert matched.data.params["kl.adaptive_target"] == "0.05"
 
 
-def test_adding_a_seed_runs_only_new_cells_and_rerun_keeps_one_run(repo):
+def test_adding_an_instance_runs_only_its_stages_and_rerun_keeps_one_run(repo):
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["grid"]["seeds"] = [0, 1, 2]
+    params["grammar"]["instances"] = [0, 1, 2]
     write_params(repo, params)
     out = sh(repo, sys.executable, "-m", "dvc", "repro")
     ran = sorted(line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage"))
-    assert ran == ["analysis", "baseline@2", "ppo@loss_k3-0.1-2", "ppo@reward_k1-0.1-2"], out.stdout
+    new = {f"grammar_{s}@2" for s in ("data", "sft", "rm")} | (cell_stages((0, 1, 2)) - cell_stages())
+    assert ran == sorted(new | {"grammar_analysis"}), out.stdout
     # Re-running a cell by force leaves exactly one visible MLflow run for it.
-    sh(repo, sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "baseline@2")
-    assert len(visible_runs(repo)["baseline@2"]) == 1
-    # Removing the seed drops it from the analysis.
-    params["grid"]["seeds"] = [0, 1]
+    sh(repo, sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "grammar_baseline@2-0")
+    assert len(visible_runs(repo)["grammar_baseline@2-0"]) == 1
+    # Removing the instance drops it from the analysis.
+    params["grammar"]["instances"] = [0, 1]
     write_params(repo, params)
     sh(repo, sys.executable, "-m", "dvc", "repro")
-    assert json.loads((repo / "reports/stats.json").read_text())["n_runs"] == 6
+    assert json.loads((repo / "reports/grammar/stats.json").read_text())["n_runs"] == 6
 
 
-@pytest.mark.parametrize(
-    "mutate, message",
-    [
-        (lambda p: p["grid"]["arms"]["reward_k1"].update(placement="rewrad"), "'reward', 'loss' or 'both'"),
-        (lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3' or 'full'"),
-        (lambda p: p["grid"].update(coefs=[-0.1]), "grid.coefs"),
-        (lambda p: p["grid"].update(seeds=[]), "grid.seeds"),
-        (lambda p: p["grid"].update(seeds=[1, 1]), "duplicate seed 1"),
-        (lambda p: p["ppo"].update(learning_rate=1.0), "unknown key 'ppo.learning_rate'"),
-        (lambda p: p["grid"]["arms"].update(bad={"placement": "none", "estimator": "k1"}), "no-KL baseline"),
-    ],
-)
-def test_bad_params_fail_before_any_compute(repo, mutate, message):
+def test_bad_params_fail_before_any_compute_and_write_nothing(repo):
+    """One runner-level check (tests/ablations/test_config.py has every kind of bad value, fast)."""
     good = (repo / "params.yaml").read_text()
     params = yaml.safe_load(good)
-    mutate(params)
+    params["grid"]["arms"]["reward_k1"]["placement"] = "rewrad"
     write_params(repo, params)
     before = sorted(p for p in repo.rglob("*") if ".git" not in p.parts and p.name != "mlflow.db")
     try:
         out = sh(repo, sys.executable, "-m", "ablations.run", check=False)
-        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert out.returncode == 2 and "'reward', 'loss' or 'both'" in out.stderr, out.stderr
         assert out.stderr.count("\n") == 1  # one message
         after = sorted(p for p in repo.rglob("*") if ".git" not in p.parts and p.name != "mlflow.db")
         assert after == before
@@ -170,9 +174,9 @@ def test_bad_params_fail_before_any_compute(repo, mutate, message):
 
 
 def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
-    stage, out_dir = "baseline@0", repo / "runs/baseline/0"
+    stage, out_dir = "grammar_baseline@0-0", repo / "runs/grammar/baseline/0-0"
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["ppo"]["iterations"] = 400  # long enough to be killed mid-run
+    params["grammar"]["ppo"]["iterations"] = 400  # long enough to be killed mid-run
     write_params(repo, params)
     env = stage_env(repo)
     proc = subprocess.Popen(
@@ -193,7 +197,7 @@ def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
     assert stage in json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}")
     (run,) = visible_runs(repo)[stage]
     assert run.info.status == "FAILED"
-    params["ppo"]["iterations"] = 3
+    params["grammar"]["ppo"]["iterations"] = 3
     write_params(repo, params)
     sh(repo, sys.executable, "-m", "dvc", "repro")
     assert (out_dir / "summary.json").exists()
