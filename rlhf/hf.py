@@ -73,6 +73,7 @@ def causal_lm_config(
             n_layer=n_layers,
             n_head=n_heads,
             n_inner=intermediate_size,
+            activation_function="gelu_pytorch_tanh",  # GPT-2's tanh GELU as one fused op (its "gelu_new" is 5 ops)
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
