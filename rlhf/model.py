@@ -7,6 +7,8 @@ causal LM fits the same interface through ``rlhf.hf.HFLM`` (``hidden`` with its 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,6 +84,21 @@ class ScalarModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (b, s) -> per-position scalars (b, s)."""
         return self.score(self.backbone.hidden(tokens)[0]).squeeze(-1) * self.gain + self.bias
+
+
+@contextmanager
+def full_precision(*models: nn.Module):
+    """Inside the block, every submodule with an ``autocast_dtype`` (``rlhf.hf.HFLM`` under bf16 autocast) runs in
+    fp32; the setting is restored afterwards. For measurements that must not depend on the training precision
+    (the exact KL of ``rlhf.evaluate``). A no-op for ``TinyLM``, which has no autocast option."""
+    saved = [(m, m.autocast_dtype) for model in models for m in model.modules() if hasattr(m, "autocast_dtype")]
+    for m, _ in saved:
+        m.autocast_dtype = None
+    try:
+        yield
+    finally:
+        for m, dtype in saved:
+            m.autocast_dtype = dtype
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaCo
 from rlhf import hf
 from rlhf import reward_model as R
 from rlhf.config import KLConfig, no_kl
-from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
+from rlhf.model import ScalarModel, TinyLM, full_precision, generate, logprobs_from_logits, response_logits
 from rlhf.ppo import train_ppo
 from rlhf.sft import response_nll, train_sft
 from rlhf.task import EOS, response_mask, sample_prompts, sample_responses
@@ -127,6 +127,16 @@ def test_restricted_vocab_logits_are_the_full_models_logits_at_the_task_ids(tmp_
     assert (model.head.weight is model.body.get_input_embeddings().weight) == tied
     assert model.config.task_token_ids == token_ids and model.config.vocab_size == V
     assert model.config.pad_token_id is None and model.body.get_input_embeddings().padding_idx is None
+    # a pipeline checkpoint of the restricted model rebuilds without the pretrained directory
+    buf = io.BytesIO()
+    torch.save({"arch": hf.arch(model), "state_dict": model.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    again = hf.from_arch(ckpt["arch"])
+    again.load_state_dict(ckpt["state_dict"])
+    with torch.no_grad():
+        assert torch.equal(again(tokens), got)
+    assert again.config.task_token_ids == token_ids
 
 
 def test_restrict_vocab_rejects_repeated_or_out_of_range_ids():
@@ -241,6 +251,9 @@ def test_bf16_autocast_keeps_fp32_weights_and_fp32_logits():
     ref = hf.set_autocast(copy.deepcopy(model), torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(ref(tokens), model(tokens))
+    with torch.no_grad(), full_precision(model, ref):  # the exact-KL measurement: fp32 whatever the training does
+        assert torch.equal(model(tokens), exact) and torch.equal(ref(tokens), exact)
+    assert model.autocast_dtype == ref.autocast_dtype == torch.bfloat16
     hf.set_autocast(model, None)
     with torch.no_grad():
         assert torch.equal(model(tokens), exact)
@@ -277,13 +290,16 @@ def hf_setup(grammar):
     return dict(sft=sft, rm=rm, policy=policy, prompts=prompts, nll=(before, after))
 
 
-def run_hf_ppo(hf_setup, grammar, **overrides):
+def run_hf_ppo(hf_setup, grammar, bf16=False, **overrides):
     s = hf_setup
-    policy = copy.deepcopy(s["policy"])
+    policy, ref, rm = (copy.deepcopy(s[k]) for k in ("policy", "sft", "rm"))
+    if bf16:
+        for m in (policy, ref, rm):  # the value model is train_ppo's copy of the reward model: bf16 as well
+            hf.set_autocast(m, torch.bfloat16)
     out = train_ppo(
         policy,
-        copy.deepcopy(s["sft"]),
-        copy.deepcopy(s["rm"]),
+        ref,
+        rm,
         grammar,
         s["prompts"][:64],
         s["prompts"][64:80],
@@ -292,10 +308,12 @@ def run_hf_ppo(hf_setup, grammar, **overrides):
     return out, policy
 
 
-def test_ppo_runs_end_to_end_with_every_model_on_the_hf_backend(hf_setup, grammar):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_ppo_runs_end_to_end_with_every_model_on_the_hf_backend(hf_setup, grammar, bf16):
     before, after = hf_setup["nll"]
     assert after < before - 0.3  # SFT through train_sft learned something on the hf backend
-    out, policy = run_hf_ppo(hf_setup, grammar, iterations=3, kl=dict(placement="both", estimator="k3", coef=0.1))
+    kl = dict(placement="both", estimator="k3", coef=0.1)
+    out, policy = run_hf_ppo(hf_setup, grammar, bf16, iterations=3, kl=kl)
     assert [row["iteration"] for row in out["history"]] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(list(row.values()))).all() for row in out["history"] + out["evals"])
     assert out["evals"][0]["kl"] > 0 and out["history"][0]["kl_loss"] > 0
