@@ -21,7 +21,9 @@ distribution over the task vocabulary, which the KL estimators and the exact KL 
 
 Precision. ``set_autocast(model, torch.bfloat16)`` runs the backbone under ``torch.autocast`` (fp32 master weights,
 so the optimiser is unchanged); hidden states are cast to fp32 before the head, so logits, log-softmax, KL and
-losses are fp32 math. Off (``None``) by default: the exact-KL measurement and every test run fp32 throughout.
+losses are fp32 math. Off (``None``) by default. Give the policy and the reference the same setting (identical
+weights then give identical logits, KL exactly 0); run the exact-KL measurement inside
+``rlhf.model.full_precision(policy, ref)`` to keep it fp32 whatever the training precision.
 
 Dropout is switched off (every ``*dropout*``/``*pdrop`` config float set to 0): PPO's ratio and the log-probs of
 sampled tokens assume a deterministic forward (TRL ``disable_dropout_in_model``); ``TinyLM`` has none either.
