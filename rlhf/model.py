@@ -2,10 +2,12 @@
 
 PPO touches a language model only through ``model(tokens) -> logits (b, s, V)`` (teacher-forced) and
 ``generate`` below; value and reward models are a backbone plus a scalar head (``ScalarModel``). A Hugging Face
-causal LM fits the same interface with a thin wrapper returning ``.logits`` and its own ``generate``.
+causal LM fits the same interface through ``rlhf.hf.HFLM`` (``hidden`` with its ``past_key_values``, ``head``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +75,8 @@ class ScalarModel(nn.Module):
     def __init__(self, backbone: TinyLM):
         super().__init__()
         self.backbone = backbone
+        d = backbone.head.in_features  # the hidden size, for any backbone with ``hidden`` + a Linear ``head``
         self.backbone.head = nn.Identity()  # the LM head is unused; keep state_dicts small and honest
-        d = backbone.ln_f.normalized_shape[0]
         self.score = nn.Linear(d, 1)
         self.register_buffer("gain", torch.ones(()))
         self.register_buffer("bias", torch.zeros(()))
@@ -84,19 +86,47 @@ class ScalarModel(nn.Module):
         return self.score(self.backbone.hidden(tokens)[0]).squeeze(-1) * self.gain + self.bias
 
 
+@contextmanager
+def full_precision(*models: nn.Module):
+    """Inside the block, every submodule with an ``autocast_dtype`` (``rlhf.hf.HFLM`` under bf16 autocast) runs in
+    fp32; the setting is restored afterwards. For measurements that must not depend on the training precision
+    (the exact KL of ``rlhf.evaluate``). A no-op for ``TinyLM``, which has no autocast option."""
+    saved = [(m, m.autocast_dtype) for model in models for m in model.modules() if hasattr(m, "autocast_dtype")]
+    for m, _ in saved:
+        m.autocast_dtype = None
+    try:
+        yield
+    finally:
+        for m, dtype in saved:
+            m.autocast_dtype = dtype
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits) gathered at tokens: logits (b, t, V), tokens (b, t) -> (b, t)."""
     return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def response_logits(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, temperature: float):
+def response_logits(
+    model: nn.Module,
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float,
+    prompt_mask: torch.Tensor | None = None,
+):
     """Teacher-forced logits of the response tokens, scaled by the sampling temperature.
 
     prompts (b, p), responses (b, t) -> (b, t, V). Dividing by the temperature in training as in sampling is
-    detail 'scale the logits by sampling temperature' of Huang et al. 2024 (arXiv 2403.17031)."""
+    detail 'scale the logits by sampling temperature' of Huang et al. 2024 (arXiv 2403.17031).
+    ``prompt_mask`` (b, p): 0 on left padding of the prompts; only models that take an ``attention_mask``
+    (``rlhf.hf.HFLM``) accept it."""
     tokens = torch.cat([prompts, responses], dim=1)
     p = prompts.shape[1]
-    return model(tokens)[:, p - 1 : -1] / temperature
+    kw = (
+        {}
+        if prompt_mask is None
+        else {"attention_mask": torch.cat([prompt_mask, prompt_mask.new_ones(responses.shape)], 1)}
+    )
+    return model(tokens, **kw)[:, p - 1 : -1] / temperature
 
 
 @torch.no_grad()
@@ -107,12 +137,16 @@ def generate(
     temperature: float,
     generator: torch.Generator,
     eos: int,
+    prompt_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched ancestral sampling with a KV cache. prompts (b, p) -> responses (b, max_new_tokens).
 
-    After a sequence emits ``eos`` every later token is ``eos`` (padding; see ``task.response_mask``)."""
+    After a sequence emits ``eos`` every later token is ``eos`` (padding; see ``task.response_mask``).
+    ``prompt_mask`` (b, p): 0 on left padding of the prompts, passed on as the ``attention_mask`` of models that
+    take one (``rlhf.hf.HFLM``); None for today's fixed-length prompts."""
     b = prompts.shape[0]
-    h, cache = model.hidden(prompts)
+    kw = {} if prompt_mask is None else {"attention_mask": prompt_mask}
+    h, cache = model.hidden(prompts, **kw)
     logits = model.head(h[:, -1])
     out = torch.empty(b, max_new_tokens, dtype=torch.long, device=prompts.device)
     done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
@@ -123,6 +157,8 @@ def generate(
         out[:, t] = nxt
         done |= nxt == eos
         if t + 1 < max_new_tokens:
-            h, cache = model.hidden(nxt[:, None], cache, start=prompts.shape[1] + t)
+            if prompt_mask is not None:
+                kw["attention_mask"] = torch.cat([kw["attention_mask"], prompt_mask.new_ones(b, 1)], 1)
+            h, cache = model.hidden(nxt[:, None], cache, start=prompts.shape[1] + t, **kw)
             logits = model.head(h[:, -1])
     return out
