@@ -54,16 +54,45 @@ class GrammarTaskParams(BaseModel):
         return self
 
 
-class ModelParams(BaseModel):
+class HFParams(BaseModel):
+    """The Hugging Face backend (rlhf/hf.py): a transformers causal LM built from a config (``family``, with the
+    sizes of the ``model`` section) or loaded from ``pretrained`` (a local save_pretrained directory, or a hub id on
+    a machine that can reach a hub; nothing downloads in this repository's pipeline or tests)."""
+
     model_config = STRICT
+    family: Literal["llama", "gpt2"] | None = Field(description="architecture of a from-config model")
+    intermediate_size: int | None = Field(gt=0, le=1_000_000, description="MLP width of a from-config model")
+    pretrained: str | None = Field(min_length=1, description="directory (or hub id) of a pretrained model")
+    tokens: list[str] | None = Field(description="pretrained: the tokenizer's token for BOS, EOS, then each word")
+    bf16: bool = Field(description="bf16 autocast for the policy/reference/reward/value forward (fp32 weights)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.pretrained is None) == (self.family is None):
+            raise ValueError("set exactly one of 'family' (a model built from a config) and 'pretrained'")
+        if self.family is not None and self.intermediate_size is None:
+            raise ValueError("a from-config model needs 'intermediate_size'")
+        if self.pretrained is None and self.tokens is not None:
+            raise ValueError("'tokens' maps the task's tokens into a pretrained model's vocabulary; set 'pretrained'")
+        return self
+
+
+class ModelParams(BaseModel):
+    """Policy, reference, reward and value models: the tiny transformer (rlhf/model.py) or a Hugging Face model."""
+
+    model_config = STRICT
+    backend: Literal["tiny", "hf"]
     d_model: int = Field(gt=0, le=65_536)
     n_layers: int = Field(gt=0, le=1_000)
     n_heads: int = Field(gt=0, le=1_024)
+    hf: HFParams | None = None  # required by, and only by, backend hf
 
     @model_validator(mode="after")
     def _heads(self):
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if (self.backend == "hf") != (self.hf is not None):
+            raise ValueError("backend 'hf' needs the 'hf' block, and only backend 'hf' takes one")
         return self
 
 
@@ -243,6 +272,12 @@ class GrammarParams(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self):
+        hf = self.model.hf
+        if hf is not None and hf.tokens is not None and len(hf.tokens) != self.task.n_words + 2:
+            raise ValueError(
+                f"model.hf.tokens must list BOS, EOS and the {self.task.n_words} words ({self.task.n_words + 2} "
+                f"tokens; got {len(hf.tokens)})"
+            )
         if self.sft.n_heldout >= self.task.n_demos:
             raise ValueError(
                 f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "

@@ -11,7 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from ablations.config import ModelParams
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Grammar
 
@@ -59,6 +61,7 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
 
 def setup() -> torch.device:
     """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA only; before CUDA starts)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     torch.use_deterministic_algorithms(True)
     return default_device()
@@ -106,8 +109,45 @@ def load_grammar(task: dict) -> Grammar:
     return Grammar(**task["grammar"])
 
 
-def new_lm(arch: dict) -> TinyLM:
+def new_lm(arch: dict) -> nn.Module:
+    """A randomly initialised model of the architecture a checkpoint records (tiny, or hf: ``rlhf.hf.arch``)."""
+    if arch.get("backend") == "hf":
+        from rlhf import hf  # transformers only when an hf model is used
+
+        return hf.from_arch(arch)
     return TinyLM(arch["vocab_size"], arch["max_len"], arch["d_model"], arch["n_layers"], arch["n_heads"])
+
+
+def build_lm(model: ModelParams, vocab_size: int, max_len: int) -> tuple[nn.Module, dict]:
+    """A freshly initialised (tiny or hf from-config) or pretrained (hf) language model for the task's vocabulary,
+    and the ``arch`` its checkpoints record. Initialisation uses torch's global RNG (seed it first)."""
+    if model.backend == "tiny":
+        arch = {
+            "vocab_size": vocab_size,
+            "max_len": max_len,
+            **model.model_dump(include={"d_model", "n_layers", "n_heads"}),
+        }
+        return new_lm(arch), arch
+    from rlhf import hf
+
+    h = model.hf
+    if h.pretrained is not None:
+        ids = hf.token_ids_from_tokenizer(h.pretrained, h.tokens) if h.tokens is not None else None
+        lm = hf.from_pretrained(h.pretrained, ids)
+    else:
+        lm = hf.from_config(
+            h.family, vocab_size, max_len, model.d_model, model.n_layers, model.n_heads, h.intermediate_size
+        )
+    return lm, hf.arch(lm)
+
+
+def set_precision(model: ModelParams, *modules: nn.Module) -> None:
+    """bf16 autocast for hf models when params.yaml asks for it (fp32 weights, fp32 logits and KL math)."""
+    if model.backend == "hf" and model.hf.bf16:
+        from rlhf import hf
+
+        for m in modules:
+            hf.set_autocast(m, torch.bfloat16)
 
 
 def load_lm(path: Path, device: torch.device) -> TinyLM:

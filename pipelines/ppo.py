@@ -30,6 +30,7 @@ from pipelines.common import (
     load_lm,
     load_reward_model,
     model_path,
+    set_precision,
     setup,
     write_json,
 )
@@ -69,6 +70,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
     grammar = load_grammar(task)
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
     reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
+    set_precision(getattr(params, cell.task).model, ref, reward_model)  # the policy and value copies keep it
     cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed)
     axes = cell_axes(cell)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):

@@ -20,6 +20,7 @@ from pipelines.common import (
     metrics_path,
     model_path,
     save_checkpoint,
+    set_precision,
     setup,
     upstream_stage_args,
     write_json,
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     grammar = load_grammar(load_checkpoint(data_path(task, instance)))
     sft_path = model_path(task, instance, "sft")
     sft = load_lm(sft_path, device)
+    set_precision(section.model, sft)
     tags = {"task": task, "instance": instance, "kind": "rm"}
     config = {"rm": section.rm.model_dump()}
     with tracking.stage_run(f"{task}_rm@{instance}", params.mlflow.experiment, config, tags=tags) as (client, rid):

@@ -11,13 +11,14 @@ from tqdm import tqdm
 from ablations.config import GrammarParams
 from pipelines import tracking
 from pipelines.common import (
+    build_lm,
     data_path,
     load_checkpoint,
     load_grammar,
     metrics_path,
     model_path,
-    new_lm,
     save_checkpoint,
+    set_precision,
     setup,
     upstream_stage_args,
     write_json,
@@ -32,13 +33,10 @@ def fit(section: GrammarParams, seed: int, task: dict, device: torch.device) -> 
     p = section.sft
     grammar = load_grammar(task)
     prompts, responses = task["demo_prompts"].to(device), task["demo_responses"].to(device)
-    arch = {
-        "vocab_size": grammar.vocab_size,
-        "max_len": grammar.prompt_len + grammar.max_new_tokens,
-        **section.model.model_dump(),
-    }
     torch.manual_seed(seed)
-    model = new_lm(arch).to(device)
+    model, arch = build_lm(section.model, grammar.vocab_size, grammar.prompt_len + grammar.max_new_tokens)
+    model = model.to(device)
+    set_precision(section.model, model)
     n = p.n_heldout  # the last demonstrations are held out for the NLL
     (tp, tr), (vp, vr) = (prompts[:-n], responses[:-n]), (prompts[-n:], responses[-n:])
     with torch.no_grad():
