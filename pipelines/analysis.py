@@ -18,9 +18,13 @@ from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
+from ablations.grid import cells
+from ablations.load import ExpectedRun
+from ablations.lock import protocol_lock
 from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
+PROTOCOL_KEYS = ("analysis", "grid.coefs", "grid.kl_targets")  # params.yaml keys the protocol lock watches
 
 
 def main(
@@ -33,7 +37,9 @@ def main(
     config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
     with tracking.stage_run("analysis", params.mlflow.experiment, config) as (client, run_id):
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
-            produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
+            expected = [ExpectedRun(c.stage, c.out_dir) for c in cells(params)]
+            lock = protocol_lock(root, PROTOCOL_KEYS, {r.stage for r in expected})
+            produced = [f.relative_to(tmp) for f in analysis.run(params.analysis, expected, tmp, root, lock)]
             for rel in produced:  # same file system: each move is atomic; report.md comes last
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(Path(tmp) / rel, out / rel)
