@@ -57,8 +57,8 @@ def unit_values(units: dict, kind: str, arm: str, level: float | None, column: s
 
 def arm_specs(runs: pd.DataFrame, kind: str) -> dict[str, dict[str, str]]:
     """arm -> spec (string fields of summary.json) for the KL arms of ``kind``, in order of first appearance."""
-    sel = runs[(runs.kind == kind) & (runs.arm != BASELINE)]
-    return {arm: spec_of(g.iloc[0].to_dict()) for arm, g in sel.groupby("arm", sort=False)}
+    sel = runs[(runs.kind == kind) & (runs.arm != BASELINE)].drop_duplicates("arm")
+    return {r["arm"]: spec_of(r) for r in sel.to_dict("records")}
 
 
 def comparison_pairs(specs: dict[str, dict[str, str]], reference: str) -> list[tuple[str, str, str]]:

@@ -94,9 +94,9 @@ def question_sentence(tr: TaskResults, ans, proto) -> str:
         mat = c[c.material.astype(bool)]
         n_eq = int(((c.verdict == S.EQUIVALENT) | c.within_margin.astype(bool)).sum())
         n_f = int(((tr.families.question == q) & (tr.families.metric == m)).sum())
-        body = [f"of {len(c)} comparisons in {n_f} famil{'y' if n_f == 1 else 'ies'}, {len(mat)} show a difference "
-                f"not shown to lie within ±{c.margin.iloc[0]:g}, {n_eq} are equivalent (or differ by less than the "
-                f"margin), {int((c.verdict == S.INCONCLUSIVE).sum())} are inconclusive"]  # fmt: skip
+        body = [f"of {len(c)} comparisons in {n_f} famil{'y' if n_f == 1 else 'ies'}: {len(mat)} material "
+                f"differences (Holm-significant, not shown within ±{c.margin.iloc[0]:g}), {n_eq} equivalent or "
+                f"within the margin, {int((c.verdict == S.INCONCLUSIVE).sum())} inconclusive"]  # fmt: skip
         top = _largest(mat) if len(mat) else _largest(c)
         if top is not None:
             body.append(("largest difference " if len(mat) else "largest gap ") + _row_numbers(top))
@@ -116,9 +116,12 @@ def question_sentence(tr: TaskResults, ans, proto) -> str:
         need = _needed(c)
         if need:
             body.append(need)
+    runs = tr.runs
+    seeds = runs.groupby("instance").seed.nunique()
+    tag = f"{tr.task}, {runs.instance.nunique()} instances × {T.span(seeds)} seed{'s' if seeds.max() > 1 else ''}"
     stab = f"split-half: {ans.status} (halves: {ans.half_a} / {ans.half_b})"
     full = f" (full data: {ans.answer})" if a == A.UNSETTLED else ""
-    return f"{head}{full} " + "; ".join(x for x in body if x) + f". [{stab}]"
+    return f"{head}{full} " + "; ".join(x for x in body if x) + f". [{tag}; {stab}]"
 
 
 def answer_paragraph(tr: TaskResults, proto) -> list[str]:

@@ -231,11 +231,13 @@ def methods(tr, p: AnalysisParams) -> list[str]:
         "- Families: Q1 one per coefficient; Q2 one per (metric, coefficient); Q3 one per (metric, KL target); Q4 "
         "one per metric. Members: each arm against the reference arm and, within each estimator with both, loss "
         "against reward placement. The positive control (no KL against the reference arm; Q1: the reference arm "
-        "restrains) is outside the family and must pass at α/m.",
+        "restrains) is outside the family and must pass at α/m. Q3 also *matters* when an arm is not steerable to "
+        "a target the reference arm is steered to; a miss keeps its final values in the comparison.",
         "- Exact sign-flip tests are shown as a cross-check; with n instances their floor is 2/2^n (1/2^n one-sided)"
         " and a family where that floor is at least α/m cannot reach significance with them.",
-        f"- Bimodality: a cell is flagged when it mixes collapsed and non-collapsed runs, or when the "
-        f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. Factorial effects: studentized sign-flip tests of within-instance contrasts.",
+        "- Bimodality: a cell is flagged when it mixes collapsed and non-collapsed runs, or when the "
+        f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. "
+        "Factorial effects: studentized sign-flip tests of within-instance contrasts.",
         "- Stability: instances dealt alternately into two halves; every question answered on each half.",
         f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; minimum log KL "
         f"reduction {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "

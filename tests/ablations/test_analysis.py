@@ -158,7 +158,8 @@ def test_results_of_another_run_are_refused(tmp_path):
 
 
 def test_outputs_and_report(tmp_path):
-    exp = syn.write_runs(tmp_path, behaviours={"loss_k1": syn.Behaviour(crash_above=4.0, length_offset=1.0)})
+    beh = {"loss_k1": syn.Behaviour(crash_above=4.0, length_offset=1.0)}
+    exp = syn.write_runs(tmp_path, behaviours=beh, coefs=(0.03, 0.3), targets=(8.0,))
     written = A.run(PROTO, exp, tmp_path / "reports", tmp_path)
     assert [p.relative_to(tmp_path / "reports").as_posix() for p in written] == A.output_paths(["grammar"])
     assert all(p.is_file() and p.stat().st_size > 0 for p in written)
@@ -200,3 +201,16 @@ def test_arithmetic_task_compares_every_metric(tmp_path):
     }
     assert set(tr.families.metric) == {"kl", "gold", "ood_gold"}
     assert np.isfinite(tr.comparisons.p).any()
+
+
+def test_seeds_are_averaged_within_instances_and_n_need_not_be_even(tmp_path):
+    exp = syn.write_runs(tmp_path, instances=range(5), seeds=(0, 1), coefs=(0.03, 0.3), targets=(8.0,))
+    tr = A.analyse(PROTO, exp, tmp_path).tasks["grammar"]
+    c = tr.comparisons
+    assert (c.n == 5).all()  # the unit is the instance, not the run
+    r = tr.runs[(tr.runs.kind == "fixed") & (tr.runs.arm == "loss_k2") & (tr.runs.level == 0.3)]
+    row = c[(c.family == "Q2 gold @ coef 0.3") & (c.label == "loss_k2 − reward_k1")].iloc[0]
+    assert row.mean_arm == pytest.approx(r.groupby("instance").final_gold.mean().mean())
+    assert (tr.collapse.runs[tr.collapse.kind == "fixed"] == 10).all()  # collapse is counted per run
+    assert tr.halves == ([0, 2, 4], [1, 3])
+    assert set(tr.tuning.evaluated_on.map(len)) == {2, 3}
