@@ -63,9 +63,14 @@ class LockStatus:
         if self.results_first is None and not self.results_uncommitted:
             out.append("No results of the judged stages are recorded in dvc.lock.")
         else:
-            span = f"{c(self.results_first)} to {c(self.results_last)}" if self.results_first else "none"
+            if self.results_first is None:
+                span = "no commit"
+            elif self.results_first == self.results_last:
+                span = f"commit {c(self.results_first)}"
+            else:
+                span = f"commits {c(self.results_first)} to {c(self.results_last)}"
             out.append(
-                f"The reported results were recorded in commits {span}"
+                f"The reported results were recorded in {span}"
                 + (f"; {self.results_uncommitted} stage(s) are not committed yet" if self.results_uncommitted else "")
                 + (f"; {self.results_missing} stage(s) have no dvc.lock entry" if self.results_missing else "")
                 + "."

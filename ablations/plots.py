@@ -92,7 +92,9 @@ def learning_curves(tr: TaskResults, path: Path) -> Path:
         ax.set_xlabel("PPO iteration")
         ax.set_ylabel("gold")
         ax.label_outer()
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=c, label=f"coef {k:g}") for k, c in colours.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _save(fig, path)
 
 

@@ -159,7 +159,10 @@ def sample(out: Path) -> list[Path]:
     }
     expected = write_runs(root, task="grammar", arms=arms, behaviours=beh, misses={("reward_k2", 8.0, 3, 0)})
     expected += write_runs(root, task="arithmetic", arms=CROSSED, rng_seed=1, targets=(2.0, 6.0))
-    return analysis.run(protocol(("grammar", "arithmetic")), expected, out / "reports", root)
+    from ablations.lock import protocol_lock
+
+    lock = protocol_lock(".", ("analysis", "grid.coefs", "grid.kl_targets"), {r.stage for r in expected})
+    return analysis.run(protocol(("grammar", "arithmetic")), expected, out / "reports", root, lock)
 
 
 if __name__ == "__main__":
