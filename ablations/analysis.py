@@ -6,8 +6,9 @@ is answered again on each half of the instances (ablations/answers.py), and the 
 (ablations/report.py, ablations/plots.py). The run directories come from the grid, as a list of ExpectedRun; nothing
 else is read, and a missing run stops the analysis naming its stage.
 
-Entry points: analyse(protocol, expected, root, lock) -> Results; write_outputs(results, out_dir) -> list[Path];
-run(...) does both. ``lock`` is ablations.lock.protocol_lock(...) or None (then the report says it was not checked).
+Entry points: analyse(protocol, expected, root, lock) -> Results; write_outputs(results, out_dir) -> list[Path]
+(every task) or write_task(results, task, out_dir) (one task's folder); run(..., task=None) does both. ``lock`` is
+ablations.lock.protocol_lock(...) or None (then the report says it was not checked).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ablations.lock import LockStatus
 from ablations.questions import answer_questions, collapse_table
 from ablations.results import Results, TaskResults
 
-__all__ = ["ExpectedRun", "MissingResultsError", "analyse", "output_paths", "run", "write_outputs"]
+__all__ = ["ExpectedRun", "MissingResultsError", "analyse", "output_paths", "run", "write_outputs", "write_task"]
 
 FIGURES = ("gold_vs_kl.png", "learning_curves.png", "forest.png", "restraint.png")
 TASK_OUTPUTS = ("stats.json", "comparisons.csv", "runs.csv", *(f"figures/{f}" for f in FIGURES), "report.md")
@@ -53,12 +54,12 @@ def scope(runs: pd.DataFrame, task: str) -> str:
 
 
 def _check(runs: pd.DataFrame, protocol: AnalysisParams) -> None:
-    """The protocol and the runs must name the same tasks, and every compared metric must be in every summary."""
-    have, want = set(runs.task), set(protocol.tasks)
-    if have != want:
-        raise ValueError(f"analysis.tasks names {sorted(want)} but the expected runs are of tasks {sorted(have)}")
-    for task, tp in protocol.tasks.items():
-        r = runs[runs.task == task]
+    """Every task of the runs must have a protocol, and every compared metric must be in every summary."""
+    unknown = set(runs.task) - set(protocol.tasks)
+    if unknown:
+        raise ValueError(f"no analysis.tasks entry for task(s) {sorted(unknown)} (has {sorted(protocol.tasks)})")
+    for task in dict.fromkeys(runs.task):
+        tp, r = protocol.tasks[task], runs[runs.task == task]
         for m in tp.margins:
             for col in (f"final_{m}", f"sft_{m}"):
                 if col not in r or r[col].isna().any():
@@ -102,11 +103,12 @@ def analyse_task(runs: pd.DataFrame, evals: pd.DataFrame, task: str, protocol: A
 def analyse(
     protocol: AnalysisParams, expected: Sequence[ExpectedRun], root: Path | str = ".", lock: LockStatus | None = None
 ) -> Results:
-    """Loads the expected runs under ``root`` and analyses every task of the protocol (no files written)."""
+    """Loads the expected runs under ``root`` and analyses each task they belong to (no files written). The grid
+    decides which tasks: all of them for one analysis stage, one task's runs for a per-task stage."""
     runs, evals = load_runs(expected, root)
     _check(runs, protocol)
     out = Results(protocol=protocol, lock=lock)
-    for task in protocol.tasks:
+    for task in dict.fromkeys(runs.task):
         sel = runs.task == task
         out.tasks[task] = analyse_task(
             runs[sel].reset_index(drop=True), evals[evals.task == task].reset_index(drop=True), task, protocol
@@ -114,20 +116,26 @@ def analyse(
     return out
 
 
-def write_outputs(res: Results, out_dir: Path | str) -> list[Path]:
-    """Writes output_paths() into ``out_dir``; each task's report.md is written after its tables and figures, the
-    index last. Returns the paths in output_paths() order."""
+def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
+    """Writes one task's TASK_OUTPUTS into ``out_dir`` (its report.md last); returns them in that order."""
     from ablations import plots  # matplotlib only when writing
 
+    tr, d = res.tasks[task], Path(out_dir)
+    (d / "figures").mkdir(parents=True, exist_ok=True)
+    images = plots.all_figures(tr, res.protocol, d / "figures")
+    tr.comparisons.to_csv(d / "comparisons.csv", index=False)
+    tr.runs.to_csv(d / "runs.csv", index=False)
+    (d / "stats.json").write_text(json.dumps(report.task_stats(tr, res), indent=2) + "\n")
+    (d / "report.md").write_text(report.render_task(tr, res, {k: v.relative_to(d).as_posix() for k, v in images}))
+    return [d / f for f in TASK_OUTPUTS]
+
+
+def write_outputs(res: Results, out_dir: Path | str) -> list[Path]:
+    """Writes output_paths() into ``out_dir``: every task into <task>/ (write_task), then the index report.md and
+    stats.json. Returns the paths in output_paths() order."""
     out = Path(out_dir)
-    for task, tr in res.tasks.items():
-        d = out / task
-        (d / "figures").mkdir(parents=True, exist_ok=True)
-        images = plots.all_figures(tr, res.protocol, d / "figures")
-        tr.comparisons.to_csv(d / "comparisons.csv", index=False)
-        tr.runs.to_csv(d / "runs.csv", index=False)
-        (d / "stats.json").write_text(json.dumps(report.task_stats(tr, res), indent=2) + "\n")
-        (d / "report.md").write_text(report.render_task(tr, res, {k: v.relative_to(d).as_posix() for k, v in images}))
+    for task in res.tasks:
+        write_task(res, task, out / task)
     (out / "stats.json").write_text(json.dumps(report.index_stats(res), indent=2) + "\n")
     (out / "report.md").write_text(report.render_index(res))
     return [out / p for p in output_paths(list(res.tasks))]
@@ -139,6 +147,13 @@ def run(
     out_dir: Path | str,
     root: Path | str = ".",
     lock: LockStatus | None = None,
+    task: str | None = None,
 ) -> list[Path]:
-    """analyse() then write_outputs()."""
-    return write_outputs(analyse(protocol, expected, root, lock), out_dir)
+    """analyse() then write the outputs: with ``task`` (a per-task stage; ``expected`` holds that task's runs) its
+    TASK_OUTPUTS straight into ``out_dir``; without, write_outputs() (every task in a sub-folder, plus an index)."""
+    res = analyse(protocol, expected, root, lock)
+    if task is None:
+        return write_outputs(res, out_dir)
+    if list(res.tasks) != [task]:
+        raise ValueError(f"run(task={task!r}) needs exactly that task's runs; got runs of {list(res.tasks)}")
+    return write_task(res, task, out_dir)

@@ -214,3 +214,13 @@ def test_seeds_are_averaged_within_instances_and_n_need_not_be_even(tmp_path):
     assert (tr.collapse.runs[tr.collapse.kind == "fixed"] == 10).all()  # collapse is counted per run
     assert tr.halves == ([0, 2, 4], [1, 3])
     assert set(tr.tuning.evaluated_on.map(len)) == {2, 3}
+
+
+def test_per_task_stage_writes_one_task_into_its_folder(tmp_path):
+    proto = syn.protocol(("grammar", "arithmetic"))  # the protocol names both; this stage has grammar's runs only
+    exp = syn.write_runs(tmp_path, coefs=(0.03, 0.3), targets=(8.0,))
+    written = A.run(proto, exp, tmp_path / "reports/grammar", tmp_path, task="grammar")
+    assert [p.relative_to(tmp_path / "reports/grammar").as_posix() for p in written] == list(A.TASK_OUTPUTS)
+    assert all(p.is_file() for p in written)
+    with pytest.raises(ValueError, match="exactly that task"):
+        A.run(proto, exp, tmp_path / "x", tmp_path, task="arithmetic")
