@@ -23,7 +23,7 @@ import pandas as pd
 
 BASELINE = "none"
 KINDS = ("baseline", "fixed", "matched")
-REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "final_gold", "final_kl", "sft_gold")
+REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
 NOT_SPEC = {"stage", "task", "kind", "arm"}  # string fields of summary.json that are not the arm's spec
 
@@ -89,6 +89,12 @@ def _read(run: ExpectedRun, root: Path) -> tuple[dict, pd.DataFrame]:
     except (OSError, ValueError) as e:
         raise MissingResultsError(f"stage {run.stage}: cannot read {d}: {e}") from None
     lacking = [k for k in REQUIRED if k not in summary] + [c for c in EVAL_COLUMNS if c not in evals.columns]
+    first = evals[evals.iteration == 0] if "iteration" in evals else evals.iloc[:0]
+    for c in evals.columns.drop("iteration", errors="ignore"):  # sft_<m>: the iteration-0 eval is the SFT policy
+        if f"sft_{c}" not in summary and len(first):
+            summary[f"sft_{c}"] = float(first[c].iloc[0])
+    if "sft_gold" not in summary:
+        lacking.append("sft_gold (or an iteration-0 row in evals.csv)")
     if lacking:
         raise MissingResultsError(f"stage {run.stage}: {d} lacks {', '.join(lacking)}")
     wrong = _check_layout(Path(run.path), summary)

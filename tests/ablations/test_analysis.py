@@ -224,3 +224,16 @@ def test_per_task_stage_writes_one_task_into_its_folder(tmp_path):
     assert all(p.is_file() for p in written)
     with pytest.raises(ValueError, match="exactly that task"):
         A.run(proto, exp, tmp_path / "x", tmp_path, task="arithmetic")
+
+
+def test_sft_values_come_from_the_iteration_0_eval_when_the_summary_lacks_them(tmp_path):
+    from ablations.load import load_runs
+
+    exp = syn.write_runs(tmp_path, coefs=(0.1,), targets=())
+    before, _ = load_runs(exp, tmp_path)
+    for r in exp:
+        s = tmp_path / r.path / "summary.json"
+        s.write_text(json.dumps({k: v for k, v in json.loads(s.read_text()).items() if not k.startswith("sft_")}))
+    after, _ = load_runs(exp, tmp_path)
+    np.testing.assert_allclose(after.sft_gold, before.sft_gold)
+    np.testing.assert_allclose(after.sft_length, before.sft_length)
