@@ -218,23 +218,57 @@ class Grid(BaseModel):
         return seeds
 
 
-class AnalysisParams(BaseModel):
-    """The statistics protocol, fixed before running (see ablations/stats.py)."""
+MetricName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+
+
+class TaskAnalysis(BaseModel):
+    """The protocol of one task (ablations/questions.py). Margins are in each metric's units; the comments in
+    params.yaml justify each against a stated scale."""
 
     model_config = STRICT
-    metric: Literal["final_gold"]
-    reference_arm: str
-    margin: FiniteFloat = Field(gt=0.0, description="equivalence margin, gold-reward units")
-    alpha: FiniteFloat = Field(gt=0.0, lt=1.0)
-    power: FiniteFloat = Field(gt=0.0, lt=1.0)
-    kl_budgets: list[FiniteFloat]
+    margins: dict[MetricName, FiniteFloat] = Field(
+        description="TOST equivalence margin per compared metric (Q2-Q4); 'gold' is the primary metric"
+    )
+    min_log_kl_reduction: FiniteFloat = Field(
+        gt=0.0, le=10.0, description="Q1: smallest meaningful reduction of log final KL against no KL"
+    )
+    kl_tolerance: FiniteFloat = Field(
+        gt=0.0, lt=1.0, description="Q3: a run hits its KL target when |final KL / target - 1| <= this"
+    )
+    collapse_drop: FiniteFloat = Field(
+        ge=0.0, description="a run collapses when its final gold is below its SFT policy's gold by more than this"
+    )
 
-    @field_validator("kl_budgets")
+    @field_validator("margins")
     @classmethod
-    def _budgets(cls, b):
-        if not b or any(x <= 0 for x in b) or len(set(b)) != len(b):
-            raise ValueError(f"must be a non-empty list of distinct KL values > 0 (got {b})")
-        return b
+    def _margins(cls, m):
+        if "gold" not in m:
+            raise ValueError(f"must give the primary metric 'gold' a margin (got {sorted(m)})")
+        bad = [k for k, v in m.items() if v <= 0]
+        if bad:
+            raise ValueError(f"every margin must be > 0 (got {bad[0]}: {m[bad[0]]})")
+        if "kl" in m:
+            raise ValueError("'kl' is judged by Q1 (min_log_kl_reduction), not by an equivalence margin")
+        return m
+
+
+class AnalysisParams(BaseModel):
+    """The statistics protocol (ablations/questions.py), fixed before the runs it judges; no value has a default."""
+
+    model_config = STRICT
+    reference_arm: str = Field(min_length=1)
+    alpha: FiniteFloat = Field(gt=0.0, lt=0.5, description="family-wise level (Holm); TOST at alpha with a 90% CI")
+    power: FiniteFloat = Field(gt=0.0, lt=1.0, description="for 'instances needed'")
+    min_hit_rate: FiniteFloat = Field(gt=0.0, le=1.0, description="Q3: below it an arm is 'not steerable'")
+    bimodality_alpha: FiniteFloat = Field(gt=0.0, lt=1.0, description="per-cell flag of two separated groups")
+    tasks: dict[str, TaskAnalysis]
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, t):
+        if not t:
+            raise ValueError("must name at least one task")
+        return t
 
 
 def _distinct(name: str, values: list) -> list:
@@ -307,6 +341,11 @@ class Params(BaseModel):
             raise ValueError(
                 f"analysis.reference_arm {self.analysis.reference_arm!r} is not an arm; "
                 f"allowed: {', '.join(self.grid.arms)}"
+            )
+        missing = [t for t in self.tasks() if t not in self.analysis.tasks]
+        if missing:
+            raise ValueError(
+                f"analysis.tasks needs the protocol of every task that runs; missing: {', '.join(missing)}"
             )
         m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig

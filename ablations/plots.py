@@ -1,4 +1,4 @@
-"""Figures of the analysis report (matplotlib, Agg backend): every seed is drawn, nothing is picked."""
+"""Figures of one task's report (matplotlib, Agg backend): every run is drawn, nothing is picked."""
 
 from __future__ import annotations
 
@@ -10,128 +10,172 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
 
-from ablations.grid import BASELINE
+from ablations.config import AnalysisParams
+from ablations.load import BASELINE
+from ablations.results import TaskResults
 
-VERDICT_COLOURS = {"difference": "tab:red", "equivalent": "tab:green", "inconclusive": "tab:gray"}
+VERDICT_COLOURS = {
+    "difference": "tab:red",
+    "difference within margin": "tab:olive",
+    "equivalent": "tab:green",
+    "inconclusive": "tab:gray",
+}
 
 
-def _coef_colours(coefs: list[float]) -> dict[float, tuple]:
-    """One viridis colour per coefficient, in increasing order."""
-    cmap = plt.get_cmap("viridis")
-    return {c: cmap(i / max(1, len(coefs) - 1) * 0.85) for i, c in enumerate(sorted(coefs))}
-
-
-def _arm_axes(arms: list[str], title: str):
-    """A grid of panels (at most 3 per row) sharing axes, one per arm; returns (figure, arm -> axes)."""
-    ncols = min(3, len(arms))
-    nrows = math.ceil(len(arms) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.3 * nrows), sharex=True, sharey=True, squeeze=False)
-    for ax in axes.flat[len(arms) :]:
+def _panels(names: list[str], title: str, w: float = 4.0, h: float = 3.1):
+    """A grid of panels (at most 4 per row) sharing axes; returns (figure, name -> axes)."""
+    ncols = min(4, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), sharex=True, sharey=True, squeeze=False)
+    for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(title)
-    return fig, dict(zip(arms, axes.flat))
+    return fig, dict(zip(names, axes.flat))
 
 
-def _legend(fig, colours: dict[float, tuple], extra: list | None = None):
-    """A figure-level legend of the coefficient colours (and the baseline), below the panels."""
-    handles = [plt.Line2D([], [], color=c, lw=2, label=f"coef {k:g}") for k, c in colours.items()]
-    handles.append(plt.Line2D([], [], color="black", lw=2, label="no KL (baseline)"))
-    fig.legend(handles=handles + (extra or []), loc="lower center", ncol=len(handles) + len(extra or []), frameon=False)
+def _colours(levels) -> dict[float, tuple]:
+    cmap = plt.get_cmap("viridis")
+    lv = sorted(levels)
+    return {c: cmap(i / max(1, len(lv) - 1) * 0.85) for i, c in enumerate(lv)}
 
 
-def _runs_of(evals: pd.DataFrame, arm: str):
-    """The eval rows of ``arm`` grouped by run (coef, seed)."""
-    return evals[evals.arm == arm].groupby(["coef", "seed"], sort=True)
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
-def gold_vs_kl(
-    runs: pd.DataFrame, evals: pd.DataFrame, arms: list[str], coefs: list[float], budgets: list[float], path: Path
-) -> Path:
-    """Gold reward against exact KL(pi || pi_ref) per arm: each run's eval trajectory (faint, in training order)
-    and its final point, coloured by coefficient; dashed lines at the KL budgets."""
-    colours = _coef_colours(coefs)
-    panels = arms + [BASELINE]
-    fig, axes = _arm_axes(panels, "Gold reward vs KL(π‖π_ref) on held-out prompts: every run")
-    for arm in panels:
-        ax = axes[arm]
-        for (coef, _), g in _runs_of(evals, arm):
-            c = "black" if arm == BASELINE else colours[coef]
-            ax.plot(g.kl, g.gold, color=c, alpha=0.3, lw=0.9)
-        fin = runs[runs.arm == arm]
-        ax.scatter(
-            fin.final_kl,
-            fin.final_gold,
-            s=14,
-            zorder=3,
-            c=["black" if arm == BASELINE else colours[c] for c in fin.coef],
-            edgecolors="white",
-            linewidths=0.4,
-        )
-        for b in budgets:
-            if b <= evals.kl.max():  # a budget no run reaches would only stretch the axis
-                ax.axvline(b, color="gray", ls="--", lw=0.7)
-        ax.set_title("baseline (no KL)" if arm == BASELINE else arm, fontsize=10)
+def _arms(tr: TaskResults) -> list[str]:
+    return [BASELINE] + [a for a in dict.fromkeys(tr.runs.arm) if a != BASELINE]
+
+
+def gold_vs_kl(tr: TaskResults, path: Path) -> Path:
+    """Gold against exact KL per arm: fixed-coefficient runs (solid, coloured by coefficient) and KL-matched runs
+    (dashed, red) with their targets (dotted lines); the final point of each run marked."""
+    ev, runs = tr.evals, tr.runs
+    colours = _colours(runs[runs.kind == "fixed"].level.unique())
+    targets = sorted(runs[runs.kind == "matched"].level.unique())
+    fig, axes = _panels(_arms(tr), f"{tr.task}: gold vs KL(π‖π_ref) on held-out prompts, every run")
+    for arm, ax in axes.items():
+        for (kind, lv, _i, _s), g in ev[ev.arm == arm].groupby(["kind", "level", "instance", "seed"], dropna=False):
+            col = "black" if kind == "baseline" else colours.get(lv, "tab:red") if kind == "fixed" else "tab:red"
+            ax.plot(g.kl, g.gold, color=col, alpha=0.35, lw=0.8, ls="--" if kind == "matched" else "-")
+            ax.plot(g.kl.iloc[-1:], g.gold.iloc[-1:], "o", color=col, ms=2.5)
+        for t in targets:
+            ax.axvline(t, color="tab:red", ls=":", lw=0.7)
+        ax.set_title("no KL" if arm == BASELINE else arm, fontsize=9)
         ax.set_xlabel("KL (nats / response)")
         ax.set_ylabel("gold")
         ax.label_outer()
-    _legend(fig, colours, [plt.Line2D([], [], color="gray", marker="o", lw=0, label="final")])
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    handles = [plt.Line2D([], [], color=c, label=f"coef {k:g}") for k, c in colours.items()]
+    handles += [plt.Line2D([], [], color="tab:red", ls="--", label="KL-matched (targets dotted)")]
+    handles += [plt.Line2D([], [], color="black", label="no KL")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return _save(fig, path)
 
 
-def learning_curves(evals: pd.DataFrame, arms: list[str], coefs: list[float], path: Path) -> Path:
-    """Gold reward against PPO iteration per arm: every seed faint, the mean over seeds per coefficient bold."""
-    colours = _coef_colours(coefs)
-    panels = arms + [BASELINE]
-    fig, axes = _arm_axes(panels, "Gold reward on held-out prompts during PPO: seeds (faint) and their mean")
-    for arm in panels:
-        ax = axes[arm]
-        sel = evals[evals.arm == arm]
-        for (coef, _), g in _runs_of(evals, arm):
-            ax.plot(g.iteration, g.gold, color="black" if arm == BASELINE else colours[coef], alpha=0.2, lw=0.8)
-        for coef, g in sel.groupby("coef"):
+def learning_curves(tr: TaskResults, path: Path) -> Path:
+    """Gold against PPO iteration per arm and fixed coefficient: every run faint, the mean over runs bold."""
+    ev = tr.evals[tr.evals.kind != "matched"]
+    colours = _colours(tr.runs[tr.runs.kind == "fixed"].level.unique())
+    fig, axes = _panels(_arms(tr), f"{tr.task}: gold during PPO (fixed coefficients), runs faint, mean bold")
+    for arm, ax in axes.items():
+        for lv, g in ev[ev.arm == arm].groupby("level", dropna=False):
+            col = "black" if arm == BASELINE else colours[lv]
+            for _, r in g.groupby(["instance", "seed"]):
+                ax.plot(r.iteration, r.gold, color=col, alpha=0.2, lw=0.7)
             m = g.groupby("iteration").gold.mean()
-            ax.plot(m.index, m.to_numpy(), color="black" if arm == BASELINE else colours[coef], lw=2)
-        ax.set_title("baseline (no KL)" if arm == BASELINE else arm, fontsize=10)
+            ax.plot(m.index, m.to_numpy(), color=col, lw=1.8)
+        ax.set_title("no KL" if arm == BASELINE else arm, fontsize=9)
         ax.set_xlabel("PPO iteration")
         ax.set_ylabel("gold")
         ax.label_outer()
-    _legend(fig, colours)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    handles = [plt.Line2D([], [], color=c, label=f"coef {k:g}") for k, c in colours.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return _save(fig, path)
 
 
-def forest(comparisons: pd.DataFrame, families: dict[str, str], margin: float, reference: str, path: Path) -> Path:
-    """Difference to the reference arm with its 95% CI for every comparison, one panel per family, coloured by
-    verdict, with the ±margin equivalence band shaded."""
-    fams = [f for f in families if (comparisons.family == f).any()]
-    sizes = [int((comparisons.family == f).sum()) for f in fams]
-    height = 1.2 + 0.28 * sum(sizes) + 0.6 * len(fams)
-    fig, axes = plt.subplots(
-        len(fams), 1, figsize=(7.5, height), gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]}, squeeze=False
-    )
-    for ax, fam in zip(axes[:, 0], fams):
-        df = comparisons[comparisons.family == fam].reset_index(drop=True)
+def forest(tr: TaskResults, path: Path) -> Path:
+    """Every Q2-Q4 comparison and positive control: difference with its 90% CI (thick, the TOST interval) and 95% CI
+    (thin), coloured by verdict; the ±margin band shaded. One panel per question and metric."""
+    c = tr.comparisons
+    groups = [(q, m) for q, m in dict.fromkeys(zip(c.question, c.metric))] if len(c) else []
+    if not groups:
+        fig = plt.figure(figsize=(6, 1))
+        fig.text(0.5, 0.5, "no comparisons", ha="center")
+        return _save(fig, path)
+    sizes = [int(((c.question == q) & (c.metric == m)).sum()) for q, m in groups]
+    height = 1.0 + 0.2 * sum(sizes) + 0.7 * len(groups)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8, height), squeeze=False,
+                             gridspec_kw={"height_ratios": [max(s, 2) for s in sizes]})  # fmt: skip
+    for ax, (q, m) in zip(axes[:, 0], groups):
+        df = c[(c.question == q) & (c.metric == m)].reset_index(drop=True)
         y = np.arange(len(df))[::-1]
+        margin = float(df.margin.iloc[0])
         ax.axvspan(-margin, margin, color="tab:green", alpha=0.12, lw=0)
-        ax.axvline(0, color="black", lw=0.8)
+        ax.axvline(0, color="black", lw=0.7)
         for yi, r in zip(y, df.itertuples()):
-            col = VERDICT_COLOURS.get(r.verdict, "black")
-            if np.isfinite(r.ci_lo):
-                ax.plot([r.ci_lo, r.ci_hi], [yi, yi], color=col, lw=1.6)
-            ax.plot([r.diff], [yi], "o", color=col, ms=4)
-        ax.set_yticks(y, df.label, fontsize=7)
-        ax.set_title(families[fam], fontsize=10)
-    axes[-1, 0].set_xlabel(f"difference to {reference} (gold), 95% CI; shaded: ±{margin:g} margin")
-    handles = [plt.Line2D([], [], color=c, marker="o", label=v) for v, c in VERDICT_COLOURS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=3, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+            pc = not r.in_family
+            negligible = not pc and r.verdict == "difference" and bool(r.within_margin)
+            v = "difference within margin" if negligible else r.verdict
+            col = "tab:blue" if pc else VERDICT_COLOURS.get(v, "black")
+            ax.plot([r.ci95_lo, r.ci95_hi], [yi, yi], color=col, lw=0.8)
+            ax.plot([r.ci90_lo, r.ci90_hi], [yi, yi], color=col, lw=2.6)
+            ax.plot([r.diff], [yi], "D" if pc else "o", color=col, ms=3.5)
+        where = [f.split(" @ ")[-1] if " @ " in f else "tuned" for f in df.family]
+        ax.set_yticks(y, [f"{w}: {lab}" for w, lab in zip(where, df.label)], fontsize=6)
+        ax.set_title(f"{q} {m} (shaded ±{margin:g})", fontsize=9)
+        lo, hi = np.nanmin(df.ci95_lo.to_numpy(float)), np.nanmax(df.ci95_hi.to_numpy(float))
+        if np.isfinite(lo) and np.isfinite(hi):
+            span = max(hi, margin) - min(lo, -margin)
+            ax.set_xlim(min(lo, -margin) - 0.05 * span, max(hi, margin) + 0.05 * span)
+    axes[-1, 0].set_xlabel("difference (arm − other): 90% CI thick (TOST), 95% CI thin")
+    handles = [plt.Line2D([], [], color=v, marker="o", label=k) for k, v in VERDICT_COLOURS.items()]
+    handles.append(plt.Line2D([], [], color="tab:blue", marker="D", label="positive control (no KL − reference)"))
+    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=7)
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1))
+    return _save(fig, path)
+
+
+def restraint(tr: TaskResults, proto: AnalysisParams, path: Path) -> Path:
+    """Q1: per arm and coefficient the mean log ratio of final KL to no KL with its 90% CI against the minimum
+    meaningful reduction; and every cell's collapse rate with its exact 95% CI."""
+    r, col = tr.restraint, tr.collapse
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.8 + 0.22 * max(len(r), len(col), 4)))
+    delta = proto.tasks[tr.task].min_log_kl_reduction
+    if len(r):
+        y = np.arange(len(r))[::-1]
+        colours = {"restrains": "tab:green", "does not restrain": "tab:red", "inconclusive": "tab:gray"}
+        for yi, row in zip(y, r.itertuples()):
+            c = colours.get(row.verdict, "black")
+            a1.plot([row.ci90_lo, row.ci90_hi], [yi, yi], color=c, lw=2.2)
+            a1.plot([row.log_ratio], [yi], "o", color=c, ms=3.5)
+        a1.axvline(-delta, color="tab:green", ls="--", lw=1)
+        a1.axvline(0, color="black", lw=0.7)
+        a1.set_yticks(y, [f"{row.arm} @ {row.level:g}" for row in r.itertuples()], fontsize=7)
+        a1.set_xlabel(f"log(final KL / no-KL final KL), 90% CI; dashed: −{delta:.3g} (minimum reduction)")
+        a1.set_title("Q1 restraint (green restrains, red does not)", fontsize=9)
+    y = np.arange(len(col))[::-1]
+    for yi, row in zip(y, col.itertuples()):
+        a2.plot([row.ci_lo, row.ci_hi], [yi, yi], color="tab:purple", lw=1.6)
+        a2.plot([row.rate], [yi], "o", color="tab:purple", ms=3.5)
+    lab = lambda row: "no KL" if row.arm == BASELINE else f"{row.arm} {row.kind} {row.level:g}"
+    a2.set_yticks(y, [lab(row) for row in col.itertuples()], fontsize=6)
+    a2.set_xlim(-0.02, 1.02)
+    a2.set_xlabel("collapse rate (final gold < SFT gold − collapse_drop), exact 95% CI")
+    a2.set_title("collapse per cell", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def all_figures(tr: TaskResults, proto: AnalysisParams, folder: Path) -> list[tuple[str, Path]]:
+    """Writes the four figures into ``folder``; returns (title, path) pairs in report order."""
+    return [
+        ("Gold vs KL, every run", gold_vs_kl(tr, folder / "gold_vs_kl.png")),
+        ("Learning curves", learning_curves(tr, folder / "learning_curves.png")),
+        ("Comparisons with their TOST 90% CIs and margins (forest plot)", forest(tr, folder / "forest.png")),
+        ("Q1 restraint and collapse", restraint(tr, proto, folder / "restraint.png")),
+    ]

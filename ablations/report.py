@@ -1,416 +1,288 @@
-"""The words and tables of the analysis: the 3-5 sentence answer, report.md and stats.json.
-
-Everything here formats results computed by ablations/analysis.py; no statistics are computed here except the
-verdict counts. Every number in the answer appears in a table of the report.
-"""
+"""The words of the analysis: one verdict per question with its numbers and scope, report.md per task, the index,
+and stats.json. Formats results computed elsewhere (ablations/questions.py, answers.py, descriptive.py); imports
+only the result containers, never ablations.analysis. Tables are in ablations/tables.py."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from ablations import answers as A
 from ablations import stats as S
-from ablations.config import Params
-from ablations.grid import BASELINE
+from ablations import tables as T
+from ablations.results import Results, TaskResults
 
-if TYPE_CHECKING:
-    from ablations.analysis import Results
-
-FAMILIES = {
-    "coef": "final gold at matched coefficient",
-    "kl": "gold at matched KL",
-    "frontier": "frontier",
-}
+_f, _ci = T.fmt, T.ci
 
 
-def budget_column(budget: float) -> str:
-    """Column of the runs table with gold at KL budget ``budget`` (nats)."""
-    return f"gold_at_kl_{budget:g}"
+def _fam_comps(tr: TaskResults, q: str, m: str) -> pd.DataFrame:
+    c = tr.comparisons
+    return c[(c.question == q) & (c.metric == m) & c.in_family.astype(bool)] if len(c) else c
 
 
-# ---------------------------------------------------------------- the answer
-
-MATERIAL, NEGLIGIBLE = "difference", "difference within margin"
-
-
-def _counts(df: pd.DataFrame) -> dict[str, int]:
-    """Verdict counts, with detected differences split by whether TOST also puts them within ±margin (Lakens
-    2017: "statistically different but practically equivalent")."""
-    diff = df.verdict == S.DIFFERENCE
-    return {
-        MATERIAL: int((diff & ~df.within_margin.astype(bool)).sum()),
-        NEGLIGIBLE: int((diff & df.within_margin.astype(bool)).sum()),
-        S.EQUIVALENT: int((df.verdict == S.EQUIVALENT).sum()),
-        S.INCONCLUSIVE: int((df.verdict == S.INCONCLUSIVE).sum()),
-    }
-
-
-def _level(alpha: float) -> str:
-    """ "95% CI" for alpha = 0.05: the label of the (1 - alpha) confidence interval."""
-    return f"{100 * (1 - alpha):.0f}% CI"
+def _pcs(tr: TaskResults, q: str, m: str) -> str:
+    """ "positive control detected in k of F families (no KL − ref: Δ a to b)"."""
+    f = tr.families[(tr.families.question == q) & (tr.families.metric == m)]
+    if f.empty:
+        return ""
+    what = "reference arm restrains" if q == "Q1" else "no KL − reference"
+    d = f.pc_diff.to_numpy(float)
+    span = (
+        f"{_f(np.nanmin(d), sign=True)}"
+        if len(d) == 1
+        else f"{_f(np.nanmin(d), sign=True)} to {_f(np.nanmax(d), sign=True)}"
+    )
+    unit = "log KL ratio" if q == "Q1" else m
+    return f"positive control ({what}) detected in {int(f.pc_pass.sum())} of {len(f)} families ({unit} {span})"
 
 
-def _ci(r) -> str:
-    """ "+0.123 gold, 95% CI [+0.1, +0.2]" for one comparison row."""
-    return f"{r['diff']:+.3f} gold, {_level(r['alpha'])} [{r['ci_lo']:+.3f}, {r['ci_hi']:+.3f}]"
+def _largest(c: pd.DataFrame) -> pd.Series | None:
+    return c.loc[c["diff"].abs().idxmax()] if len(c) and c["diff"].notna().any() else None
 
 
-def _largest(df: pd.DataFrame):
-    """The comparison with the largest |difference| among differences not within the margin, else among all
-    detected differences, else among all testable comparisons; None if there is none."""
-    diff = df.verdict == S.DIFFERENCE
-    for pool in (df[diff & ~df.within_margin.astype(bool)], df[diff], df[np.isfinite(df.ci_lo)]):
-        if len(pool):
-            return pool.loc[pool["diff"].abs().idxmax()]
-    return None
+def _row_numbers(r) -> str:
+    """ "loss_k1 − reward_k1 @ coef 0.1: Δ −2.115 (95% CI [..]; 90% CI [..])"."""
+    where = r.family.split(" @ ")[-1] if " @ " in r.family else "tuned"
+    cis = f"95% CI {_ci(r.ci95_lo, r.ci95_hi)}, 90% CI {_ci(r.ci90_lo, r.ci90_hi)}"
+    return f"{r.label} ({where}): Δ {_f(r['diff'], sign=True)} ({cis})"
 
 
-def _verdict_words(r) -> str:
-    """A comparison's verdict in words for the answer."""
-    if r["verdict"] == S.DIFFERENCE:
-        return "a difference within the margin" if r["within_margin"] else "a difference"
-    return r["verdict"]
-
-
-def write_answer(params: Params, comparisons: pd.DataFrame, runs: pd.DataFrame) -> tuple[str, str]:
-    """The 3-5 sentence answer, generated from the comparison, verdict-count and reach tables (every number
-    appears in one), and a headline: "matters", "does not matter" or "unsettled". The headline is judged on the
-    KL arms in the matched-KL and frontier families, where a coefficient's different meaning across placements
-    cannot drive the result: "matters" if any shows a difference not shown to be within ±margin; "does not
-    matter" if every one is within ±margin (equivalent, or a real difference smaller than the margin)."""
-    a = params.analysis
-    ref, alpha, margin = a.reference_arm, a.alpha, a.margin
-    kla = comparisons[comparisons.arm != BASELINE]
-    fam = {f: kla[kla.family == f] for f in FAMILIES}
-    n = {f: len(df) for f, df in fam.items()}
-    c = {f: _counts(df) for f, df in fam.items()}
-    fair = pd.concat([fam["kl"], fam["frontier"]])
-    cf = _counts(fair)
-    s = []
-    if cf[MATERIAL]:
-        headline = "matters"
-        s.append(
-            f"Yes, on this task where the KL penalty goes changes gold reward even at matched KL: "
-            f"{c['kl'][MATERIAL]} of {n['kl']} matched-KL comparisons and {c['frontier'][MATERIAL]} of "
-            f"{n['frontier']} frontier comparisons against {ref} show a difference not shown to be within "
-            f"±{margin:g} gold (Holm-corrected within each family, alpha = {alpha:g})"
-        )
-    elif len(fair) and cf[S.EQUIVALENT] + cf[NEGLIGIBLE] == len(fair):
-        headline = "does not matter"
-        s.append(
-            f"No, not beyond ±{margin:g} gold on this task: at matched KL every variant is equivalent to {ref} "
-            f"within the margin (all {n['kl']} matched-KL and {n['frontier']} frontier comparisons, TOST, "
-            f"Holm-corrected, alpha = {alpha:g}; with a real difference smaller than the margin in "
-            f"{cf[NEGLIGIBLE]} of them)"
-        )
-    else:
-        headline = "unsettled"
-        s.append(
-            f"Not settled by these seeds: at matched KL no variant differs detectably from {ref} by more than "
-            f"the margin (alpha = {alpha:g}, Holm), but only {cf[S.EQUIVALENT] + cf[NEGLIGIBLE]} of {len(fair)} "
-            f"matched-KL and frontier comparisons are shown to be within ±{margin:g} gold; the other "
-            f"{cf[S.INCONCLUSIVE]} are inconclusive"
-        )
-    r = _largest(fam["coef"])
-    if r is not None:
-        cc = c["coef"]
-        s.append(
-            f"At matched coefficient, where the same number means a different strength in each placement, "
-            f"{cc[MATERIAL] + cc[NEGLIGIBLE]} of {n['coef']} comparisons show a Holm-significant difference "
-            f"({cc[S.EQUIVALENT]} equivalent, {cc[S.INCONCLUSIVE]} inconclusive); the largest gap is "
-            f"{r.arm} at coef {r.level:g} ({_ci(r)}, {_verdict_words(r)}; mean {r.mean_arm:.3f} vs "
-            f"{r.mean_ref:.3f} for {ref})"
-        )
+def _needed(c: pd.DataFrame) -> str:
+    """What more instances would do for the inconclusive comparisons."""
+    inc = c[c.verdict == S.INCONCLUSIVE]
+    if inc.empty:
+        return ""
+    out_of_reach = int(np.isinf(inc.n_needed_equiv).sum())
+    eq = inc.n_needed_equiv[np.isfinite(inc.n_needed_equiv)]
+    dd = inc.n_needed_diff[np.isfinite(inc.n_needed_diff)]
     parts = []
-    for f in ("kl", "frontier"):
-        r = _largest(fam[f])
-        if r is not None:
-            where = (
-                f"at matched KL the largest gap is {r.arm} at {r.level:g} nats"
-                if f == "kl"
-                else f"on the frontier summary (mean gold over KL budgets 0-{max(a.kl_budgets):g} nats) it is {r.arm}"
+    if len(dd):
+        parts.append(f"for the inconclusive, showing the observed difference would take {T.span(dd)} instances")
+    if len(eq):
+        parts.append(f"showing equivalence {T.span(eq)}")
+    if out_of_reach:
+        parts.append(f"equivalence is out of reach for {out_of_reach} (observed difference near or beyond the margin)")
+    return "; ".join(parts)
+
+
+def question_sentence(tr: TaskResults, ans, proto) -> str:
+    """One question's verdict with its numbers."""
+    q, m, a = ans.question, ans.metric, ans.reported
+    head = f"**{q} {'' if q == 'Q1' else m + ' '}— {a}.**"
+    if a == A.NOT_RUN:
+        return f"{head} The design has no runs for this question."
+    if q == "Q1":
+        r = tr.restraint
+        bad = r[r.verdict == S.NO_RESTRAINT]
+        body = []
+        if len(bad):
+            worst = bad.loc[bad.log_ratio.idxmax()]
+            body.append(
+                f"{', '.join(dict.fromkeys(bad.arm))} do not restrain KL at {len(bad)} (arm, coef) cells: e.g. "
+                f"{worst.arm} at coef {worst.level:g} ends at {_f(worst.kl_arm, 1)} nats vs {_f(worst.kl_none, 1)} "
+                f"without KL (log ratio {_f(worst.log_ratio, sign=True)}, 90% CI {_ci(worst.ci90_lo, worst.ci90_hi)}; "
+                f"restraint needs below −{proto.tasks[tr.task].min_log_kl_reduction:.3g})"
             )
-            parts.append(f"{where} ({_ci(r)}, {_verdict_words(r)})")
-    if parts:
-        top = max(a.kl_budgets)
-        text = "; ".join(parts)
-        s.append(
-            text[0].upper()
-            + text[1:]
-            + f"; {int(runs[budget_column(top)].notna().sum())} of {len(runs)} runs reached the {top:g}-nat budget"
-        )
-    base = comparisons[(comparisons.arm == BASELINE) & (comparisons.family == "coef")]
-    if len(base):
-        cb = _counts(base)
-        lo, hi = base.mean_ref.min(), base.mean_ref.max()
-        span = f"{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"{lo:.3f} to {hi:.3f}"
-        s.append(
-            f"Without any KL penalty the final gold is {base.mean_arm.iloc[0]:.3f}, against {span} for {ref} "
-            f"{'across coefficients ' if len(base) > 1 else ''}"
-            f"(of {len(base)} comparisons: difference not within the margin {cb[MATERIAL]}, difference within "
-            f"it {cb[NEGLIGIBLE]}, equivalent {cb[S.EQUIVALENT]}, inconclusive {cb[S.INCONCLUSIVE]})"
-        )
-    need = comparisons.seeds_needed[comparisons.verdict == S.INCONCLUSIVE].dropna()
-    if len(need):
-        fmt = lambda x: f"more than {S.MAX_SEEDS}" if x == math.inf else f"{int(x)}"
-        span = fmt(need.min()) if need.min() == need.max() else f"{fmt(need.min())} to {fmt(need.max())}"
-        s[-1] += (
-            f"; the {len(need)} inconclusive comparisons would need about {span} seeds per arm to detect a "
-            f"±{margin:g} difference (power {a.power:g})"
-        )
-    return " ".join(x + "." for x in s[:5]), headline
+        n_ok = int((r.verdict == S.RESTRAINS).sum())
+        body.append(f"{n_ok} of {len(r)} cells restrain, {int((r.verdict == S.INCONCLUSIVE).sum())} inconclusive")
+        body.append(_pcs(tr, q, m))
+        body.append(T.collapse_words(tr.collapse))
+    else:
+        c = _fam_comps(tr, q, m)
+        mat = c[c.material.astype(bool)]
+        n_eq = int(((c.verdict == S.EQUIVALENT) | c.within_margin.astype(bool)).sum())
+        n_f = int(((tr.families.question == q) & (tr.families.metric == m)).sum())
+        body = [f"of {len(c)} comparisons in {n_f} famil{'y' if n_f == 1 else 'ies'}: {len(mat)} material "
+                f"differences (Holm-significant, not shown within ±{c.margin.iloc[0]:g}), {n_eq} equivalent or "
+                f"within the margin, {int((c.verdict == S.INCONCLUSIVE).sum())} inconclusive"]  # fmt: skip
+        top = _largest(mat) if len(mat) else _largest(c)
+        if top is not None:
+            body.append(("largest difference " if len(mat) else "largest gap ") + _row_numbers(top))
+        reach = np.nanmax(np.abs(c[["ci90_lo", "ci90_hi"]].to_numpy(float))) if len(c) else np.nan
+        if np.isfinite(reach) and mat.empty:
+            body.append(f"the 90% CIs reach ±{_f(reach)} at most")
+        if q == "Q3" and len(tr.steering):
+            st = tr.steering
+            bad = st[~st.steerable]
+            body.append(
+                "every arm steerable to every target"
+                if bad.empty
+                else "not steerable: "
+                + ", ".join(f"{r.arm} at {r.target:g} nats ({r.hits}/{r.runs} hit)" for r in bad.itertuples())
+            )
+        body.append(_pcs(tr, q, m))
+        need = _needed(c)
+        if need:
+            body.append(need)
+    runs = tr.runs
+    seeds = runs.groupby("instance").seed.nunique()
+    tag = f"{tr.task}, {runs.instance.nunique()} instances × {T.span(seeds)} seed{'s' if seeds.max() > 1 else ''}"
+    stab = f"split-half: {ans.status} (halves: {ans.half_a} / {ans.half_b})"
+    full = f" (full data: {ans.answer})" if a == A.UNSETTLED else ""
+    return f"{head}{full} " + "; ".join(x for x in body if x) + f". [{tag}; {stab}]"
 
 
-# ---------------------------------------------------------------- tables and report
+def answer_paragraph(tr: TaskResults, proto) -> list[str]:
+    """The headline and one line per question."""
+    what = {
+        "matters": "where the KL penalty goes matters",
+        "does not matter": "where the KL penalty goes does not matter within the pre-registered margins",
+        "not settled": "these runs do not settle whether it matters",
+    }[tr.headline]
+    L = [f"**Answer ({tr.headline}).** On {tr.scope}: {what}.", ""]
+    for ans in tr.answers.itertuples():
+        L.append(f"- {question_sentence(tr, ans, proto)}")
+    return L
 
 
-def _f(x, nd: int = 3, sign: bool = False) -> str:
-    """A number with ``nd`` decimals (signed if ``sign``), "–" for None/NaN/inf."""
-    if x is None or (isinstance(x, float) and not np.isfinite(x)):
-        return "–"
-    return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
+# ---------------------------------------------------------------- report.md
 
 
-def _p(p: float) -> str:
-    """A p-value for a table: 3 decimals, "<0.001", or "–"."""
-    return "–" if not np.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
-
-
-def _md(df: pd.DataFrame) -> str:
-    """A DataFrame as a GitHub markdown table (pandas to_markdown / tabulate), cells kept as given."""
-    return df.to_markdown(index=False, disable_numparse=True)
-
-
-def _verdict_cell(r) -> str:
-    """A comparison's verdict for the tables, with the seed recommendation or the within-margin flag."""
-    if r.verdict == S.INCONCLUSIVE and np.isnan(r.p):
-        return "inconclusive (too few runs)"
-    if r.verdict == S.INCONCLUSIVE:
-        n = r.seeds_needed
-        return f"inconclusive (~{'>' + str(S.MAX_SEEDS) if n == math.inf else int(n)} seeds)"
-    if r.verdict == S.DIFFERENCE and r.within_margin:
-        return "difference (within margin)"
-    return r.verdict
-
-
-def comparison_table(df: pd.DataFrame) -> str:
-    """Markdown table of a family of comparisons."""
-    rows = [
-        {
-            "comparison": r.label,
-            "n arm/ref": f"{r.n_arm}/{r.n_ref}",
-            "test": "paired t" if r.paired else "Welch t",
-            "mean arm": _f(r.mean_arm),
-            "mean ref": _f(r.mean_ref),
-            "Δ": _f(r.diff, sign=True),
-            _level(r.alpha): f"[{_f(r.ci_lo, sign=True)}, {_f(r.ci_hi, sign=True)}]",
-            "effect": f"{r.effect_name} {_f(r.effect, 2, sign=True)}",
-            "p (t)": _p(r.p),
-            "p (perm)": _p(r.p_perm),
-            "p Holm": _p(r.p_holm),
-            "p TOST Holm": _p(r.p_equiv_holm),
-            "verdict": _verdict_cell(r),
-        }
-        for r in df.itertuples()
-    ]
-    return _md(pd.DataFrame(rows))
-
-
-def counts_table(comparisons: pd.DataFrame) -> str:
-    """Markdown table: verdict counts per family, KL arms and the no-KL baseline separately."""
-    rows = []
-    for fam, name in FAMILIES.items():
-        for who, sel in (("KL arms", comparisons.arm != BASELINE), ("no-KL baseline", comparisons.arm == BASELINE)):
-            df = comparisons[(comparisons.family == fam) & sel]
-            if len(df):
-                rows.append(
-                    {"family": name, "arms": who, "comparisons": len(df), **{k: str(v) for k, v in _counts(df).items()}}
-                )
-    if not rows:
-        return "(no comparisons)"
-    rows = [{("difference, not within margin" if k == MATERIAL else k): v for k, v in r.items()} for r in rows]
-    return _md(pd.DataFrame(rows))
-
-
-def _pm(m, sd) -> str:
-    """ "mean ± sd"."""
-    return f"{_f(m)} ± {_f(sd)}"
-
-
-def render_report(res: Results, images: dict[str, str]) -> str:
-    """report.md: the answer, the caution, the protocol, the tables, then the plots (relative image links)."""
-    p, a = res.params, res.params.analysis
-    c = res.comparisons
-    fam_sizes = ", ".join(f"{name} ({int((c.family == f).sum())} comparisons)" for f, name in FAMILIES.items())
-    units = next(iter(p.tasks().values())).instances  # interim: the task instances are the unit
-    n_seeds = len(units)
-    exact_floor = 2 / 2**n_seeds
-    L = [
-        "# Does it matter where the KL penalty goes? PPO-RLHF ablation report",
+def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
+    """A task's report.md: the answer, scope, lock, one section per question, the factorial view, secondary
+    outcomes, stability, figures and the protocol."""
+    p, tp = res.protocol, res.protocol.tasks[tr.task]
+    L = [f"# Does it matter where the KL penalty goes? Task `{tr.task}`", ""]
+    L += answer_paragraph(tr, p)
+    L += [
         "",
-        f"**Answer ({res.headline}).** {res.answer}",
+        f"> **Scope.** Every claim here is about {tr.scope}, and about this protocol. Synthetic task, tiny models: not "
+        "evidence about large language models until reproduced on one.",
         "",
-        "> **Caution.** These results come from a synthetic task (a small grammar with an exact gold reward, a "
-        "tiny transformer policy and a learned proxy reward model), with "
-        f"{n_seeds} seeds per cell. They show how the KL variants behave on this task under this protocol; "
-        "they are not evidence about large language models until reproduced on one.",
+        "**Protocol lock.** " + " ".join(res.lock.sentences() if res.lock else ["not checked (no git information)."]),
         "",
-        "## Protocol (fixed in params.yaml before running)",
+        "## The four questions",
         "",
-        f"- Primary metric: `{a.metric}` (gold reward on the held-out prompts at the end of training). "
-        f"Reference arm: `{a.reference_arm}`. Every other arm, and the no-KL baseline (`{BASELINE}`, one run "
-        "per seed, compared at every coefficient), is compared with it.",
-        f"- Unit: the seed ({n_seeds} task instances: {', '.join(map(str, units))}); arms share seeds, so tests are "
-        "paired t-tests on per-seed differences (Welch's t-test when the seeds do not match, e.g. when some runs "
-        "never reach a KL budget). Difference of means with an unadjusted 95% CI; effect size Cohen's d_z "
-        "(paired) or Hedges' g (Welch).",
-        "- Cross-check: exact permutation test (sign flips of the per-seed differences; relabelling for Welch). "
-        f"With {n_seeds} paired seeds its smallest possible two-sided p is 2/2^{n_seeds} = {exact_floor:.4f}.",
-        f"- Equivalence: TOST against ±{a.margin:g} gold. Holm correction within each family, separately for the "
-        f"difference and the equivalence p-values, at alpha = {a.alpha:g}. Families: {fam_sizes}.",
-        f"- Verdict: *difference* if Holm-adjusted p < {a.alpha:g}; else *equivalent* if the Holm-adjusted TOST "
-        f"p < {a.alpha:g}; else *inconclusive*, with the seeds per arm a t-test at alpha = {a.alpha:g} would need "
-        f"for power {a.power:g} against a true difference of {a.margin:g}, taking the observed SD as the truth "
-        "(statsmodels power; at least n + 1, capped at 1000; unadjusted alpha, so a lower bound under Holm).",
-        f"- Matched KL: for each run, gold at the first eval where its exact KL(π‖π_ref) reaches each budget "
-        f"({', '.join(f'{b:g}' for b in a.kl_budgets)} nats per response), linearly interpolated between the two "
-        "evals around the crossing; runs that never reach a budget give no value there. An arm's values are "
-        "averaged over its coefficients within a seed (one value per arm and seed).",
-        f"- Frontier: per run, the mean over KL budgets κ in [0, {max(a.kl_budgets):g}] nats of the gold at the "
-        "first crossing of κ (the run's final gold for κ beyond the largest KL it reached), i.e. the normalised "
-        "area under its gold-vs-KL-budget curve over the whole trajectory; averaged over coefficients within a "
-        "seed like the matched-KL values.",
-        "- No seed, run or checkpoint is ever selected by its result.",
+        T.answers_table(tr),
         "",
-        "## Verdict counts",
+        "Positive controls and exact-test floors per family (a positive control passes at α/m, the strictest level a "
+        "member of the family faces under Holm; the exact sign-flip test cannot go below its floor):",
         "",
-        counts_table(c),
+        T.families_table(tr.families, p.alpha),
+        "",
+        "## Q1 Restraint",
+        "",
+        f"Per instance, log(final exact KL / no-KL final exact KL); *restrains* when the mean is shown below "
+        f"−{tp.min_log_kl_reduction:.3g} (the arm at least {1 - math.exp(-tp.min_log_kl_reduction):.0%} below no "
+        f"KL), *does not restrain* when shown above it (one-sided t-tests at α = {p.alpha:g}, Holm within each "
+        "coefficient).",
+        "",
+        T.restraint_table(tr.restraint),
+        "",
+        f"Collapse: final gold more than {tp.collapse_drop:g} below the run's own SFT gold (per run; exact "
+        f"Clopper–Pearson 95% CI; runs of one instance are not independent when it has several seeds).",
+        "",
+        T.collapse_table(tr.collapse, tr.cells),
         "",
     ]
-    sections = {
-        "coef": "## Final gold at matched coefficient",
-        "kl": "## Gold at matched KL",
-        "frontier": "## Frontier (normalised gold-vs-KL-budget area)",
-    }
-    for fam, title in sections.items():
-        L += [title, ""]
-        if fam == "kl":
-            reach = res.reach.copy()
-            reach["max KL reached, median over runs (nats)"] = reach.iloc[:, -1].map(_f)
+    for q, title in (("Q2", "Q2 Matched coefficient"), ("Q3", "Q3 Matched KL, by construction"), ("Q4", "Q4 Tuned")):
+        L += [f"## {title}", ""]
+        if q == "Q3":
             L += [
-                "Runs that reached each budget (of all runs of the arm, over all coefficients):",
+                f"Hit: final exact KL within ±{tp.kl_tolerance:.0%} of the target. A miss is a failure, counted "
+                f"here and kept in the comparisons below with its final values (intention to treat); an arm that "
+                f"hits in fewer than {p.min_hit_rate:.0%} of its runs is *not steerable* at that target.",
                 "",
-                _md(reach.astype(str)),
+                T.steering_table(tr.steering),
+                "",
+                T.target_overlap(list(tr.steering.target.unique()) if len(tr.steering) else [], tp.kl_tolerance),
                 "",
             ]
-        L += [comparison_table(c[c.family == fam]), ""]
-    ct = res.cell_table
+        if q == "Q4":
+            L += [
+                "Cross-fitting: the coefficient with the best mean final gold on one half of the instances is "
+                "evaluated on the other half, and vice versa; no value is evaluated on the instances that chose it.",
+                "",
+                T.tuning_table(tr.tuning),
+                "",
+            ]
+        for m in tp.margins:
+            c = tr.comparisons[(tr.comparisons.question == q) & (tr.comparisons.metric == m)]
+            if len(c):
+                L += [f"**{m}** (margin ±{tp.margins[m]:g})", "", T.comparison_table(c), ""]
+    L += ["## Factorial view: placement × estimator (final gold)", "", f"Crossed set: {tr.crossed}.", ""]
+    L += [T.factorial_table(tr.factorial), ""] if len(tr.factorial) else []
+    L += ["## Secondary outcomes: response length and empty responses", "", *T.secondary_lines(tr.secondary, p), ""]
+    ag = tr.agreement
     L += [
-        "## Factorial view: placement × estimator × coefficient",
+        "## Stability (split-half)",
         "",
-        "Mean ± SD over seeds per cell.",
+        f"Instances {', '.join(map(str, tr.halves[0]))} vs {', '.join(map(str, tr.halves[1]))}, every question "
+        f"answered on each half with the same protocol: {int(ag.agree.sum())} of {len(ag)} verdicts agree between "
+        f"the halves, {int(ag.conflict.sum())} conflict (definite and different). An answer whose halves "
+        "contradict each other or the full data is reported as *unsettled*.",
         "",
-        _md(
-            pd.DataFrame(
-                {
-                    "arm": ct.arm,
-                    "target": ct.target,
-                    "placement": ct.placement,
-                    "estimator": ct.estimator,
-                    "coef": ct.coef.map(lambda x: f"{x:g}"),
-                    "n": ct.n.astype(str),
-                    a.metric: [_pm(m, s) for m, s in zip(ct[f"{a.metric}_mean"], ct[f"{a.metric}_sd"])],
-                    "final KL (nats)": [_pm(m, s) for m, s in zip(ct.final_kl_mean, ct.final_kl_sd)],
-                    "frontier": [_pm(m, s) for m, s in zip(ct.frontier_mean, ct.frontier_sd)],
-                }
-            )
-        ),
+        T.stability_table(tr.answers),
+        "",
+        "## Figures",
         "",
     ]
-    for label, (formula, table) in res.anova.items():
-        t = table.reset_index().rename(columns={"index": "term"})
-        t = pd.DataFrame(
-            {
-                "term": t.term,
-                "sum sq": t.sum_sq.map(lambda x: f"{x:.4g}"),
-                "df": t.df.map(lambda x: f"{x:g}"),
-                "F": t.F.map(lambda x: _f(x, 2)),
-                "p": t["PR(>F)"].map(_p),
-            }
-        )
-        L += [
-            f"**{label}**: type-II ANOVA, `{formula}` (seed as a block; descriptive, not Holm-corrected)",
-            "",
-            _md(t),
-            "",
-        ]
-    L += ["## Plots", ""]
     for title, name in images.items():
         L += [f"### {title}", "", f"![{title}]({name})", ""]
-    perm_disagree = int(((c.p < a.alpha) != (c.p_perm < a.alpha))[np.isfinite(c.p_perm)].sum())
-    L += [
-        "## Notes",
-        "",
-        f"- The permutation test and the t-test disagree about p < {a.alpha:g} (both unadjusted) in "
-        f"{perm_disagree} of {len(c)} comparisons; with few seeds the exact test cannot reach small p-values.",
-        "- CIs are unadjusted; verdicts use Holm-adjusted p-values, so a CI may exclude 0 without a verdict of "
-        "difference.",
-        "- At matched KL an arm's value per seed averages the coefficients whose runs reached the budget, so two "
-        "arms may average different coefficients at a high budget (see the reach table); the frontier summary "
-        "uses every run.",
-        "- The ANOVAs treat the coefficient as a factor within a placement; a coefficient means different things "
-        "in different placements, so they are not compared across placements.",
-        "- All tables: reports/comparisons.csv (every comparison) and reports/runs.csv (every run).",
-        "",
-    ]
+    L += T.methods(tr, p)
+    return "\n".join(L) + "\n"
+
+
+def render_index(res: Results) -> str:
+    """reports/report.md: one headline per task, with links to the task reports."""
+    L = ["# Does it matter where the KL penalty goes? PPO-based RLHF and RLVR ablations", ""]
+    for task, tr in res.tasks.items():
+        L += [f"## [{task}]({task}/report.md)", "", *answer_paragraph(tr, res.protocol), ""]
+    L += ["**Protocol lock.** " + " ".join(res.lock.sentences() if res.lock else ["not checked."]), ""]
     return "\n".join(L)
 
 
+# ---------------------------------------------------------------- stats.json
+
+
 def _clean(x):
-    """JSON-safe copy: numpy scalars to Python, NaN/inf to None (strict JSON has no NaN)."""
+    """JSON-safe copy: numpy scalars to Python, NaN/inf to None."""
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (float, np.floating)):
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float | np.floating):
         return float(x) if np.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
+    if isinstance(x, np.integer | np.bool_):
+        return x.item()
     return x
 
 
-def stats_summary(res: Results) -> dict:
-    """stats.json (DVC metrics): headline, run and seed counts and the protocol at the top level; verdict counts per
-    family, mean final gold per cell and the difference to the reference of every comparison one level down.
-    NaN/inf become null."""
-    a, c = res.params.analysis, res.comparisons
+def task_stats(tr: TaskResults, res: Results) -> dict:
+    """stats.json of a task (DVC metrics): headline, scope, the answers, positive controls, collapse and hit rates,
+    split-half agreement, and every comparison's difference."""
+    c, f = tr.comparisons, tr.families
+    lvl = lambda r: "" if r.level is None or pd.isna(r.level) else f"@{r.level:g}"
     return _clean(
         {
-            "headline": res.headline,
-            "n_runs": len(res.runs),
-            "n_seeds": len(next(iter(res.params.tasks().values())).instances),
-            "metric": a.metric,
-            "reference_arm": a.reference_arm,
-            "margin": a.margin,
-            "alpha": a.alpha,
-            "power": a.power,
-            "verdicts": {
-                f: {
-                    "n": int((c.family == f).sum()),
-                    **{k.replace(" ", "_"): v for k, v in _counts(c[c.family == f]).items()},
-                }
-                for f in FAMILIES
+            "headline": tr.headline,
+            "n_instances": int(tr.runs.instance.nunique()),
+            "n_runs": len(tr.runs),
+            "answers": {
+                f"{r.question}/{r.metric}": {"reported": r.reported, "full": r.answer, "split_half": r.status}
+                for r in tr.answers.itertuples()
             },
-            a.metric: {
-                f"{r.arm}@{r.coef:g}" if r.arm != BASELINE else r.arm: r[f"{a.metric}_mean"]
-                for _, r in res.cell_table.iterrows()
+            "positive_controls": {r.family: bool(r.pc_pass) for r in f.itertuples()},
+            "collapse_rate": {f"{r.arm}/{r.kind}{lvl(r)}": r.rate for r in tr.collapse.itertuples()},
+            "hit_rate": {f"{r.arm}@{r.target:g}": r.rate for r in tr.steering.itertuples()},
+            "split_half": {
+                "agree": int(tr.agreement.agree.sum()),
+                "conflict": int(tr.agreement.conflict.sum()),
+                "verdicts": len(tr.agreement),
             },
-            "diff": {
-                f"{r.family}/{r.arm}" + ("" if r.level is None or not np.isfinite(r.level) else f"@{r.level:g}"): r[
-                    "diff"
-                ]
-                for _, r in c.iterrows()
-            },
+            "diff": {f"{r.family}/{r.label}": r.diff for r in c.itertuples()},
         }
+    )
+
+
+def index_stats(res: Results) -> dict:
+    """The top-level stats.json: each task's headline and answers."""
+    return _clean(
+        {
+            t: {"headline": tr.headline, **{f"{r.question}/{r.metric}": r.reported for r in tr.answers.itertuples()}}
+            for t, tr in res.tasks.items()
+        }
+        | {"protocol_lock": res.lock.sentences() if res.lock else None}
     )

@@ -2,10 +2,9 @@
 
     python -m pipelines.analysis grammar
 
-Outputs (ablations.analysis.OUTPUTS): reports/report.md, stats.json (metrics), comparisons.csv, runs.csv
-and figures/{gold_vs_kl,learning_curves,forest}.png. Everything is written to a temporary sibling folder first
-and moved into place only when complete, so an interrupted run leaves the previous report (or none), never half
-of one.
+Outputs (ablations.analysis.TASK_OUTPUTS) in reports/<task>/: report.md, stats.json (DVC metrics), comparisons.csv,
+runs.csv and figures/. Everything is written to a temporary sibling folder first and moved into place only when
+complete, so an interrupted run leaves the previous report (or none), never half of one.
 """
 
 from __future__ import annotations
@@ -18,9 +17,18 @@ from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
+from ablations.grid import cells
+from ablations.load import ExpectedRun
+from ablations.lock import protocol_lock
 from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
+
+
+def protocol_keys(task: str) -> list[str]:
+    """The params.yaml keys of the pre-registered protocol the lock watches: the analysis section and the design
+    values it judges (coefficients, KL targets)."""
+    return ["analysis", "grid.coefs", f"{task}.kl_targets"]
 
 
 def main(
@@ -37,7 +45,13 @@ def main(
         run_id,
     ):
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
-            produced = [f.relative_to(tmp) for f in analysis.run(params, tmp, root)]
+            task_cells = [c for c in cells(params) if c.task == task]
+            expected = [ExpectedRun(c.stage, c.out_dir) for c in task_cells]
+            # the KL targets are chosen from the no-KL runs, so only the KL arms' results must postdate the protocol
+            judged = {c.stage for c in task_cells if c.kind != "baseline"}
+            lock = protocol_lock(root, protocol_keys(task), judged)
+            written = analysis.run(params.analysis, expected, tmp, root, lock, task=task)
+            produced = [f.relative_to(tmp) for f in written]
             for rel in produced:  # same file system: each move is atomic; report.md comes last
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(Path(tmp) / rel, out / rel)

@@ -49,7 +49,7 @@ TINY = {
         "seeds": [0],
         "matched": {"init_coef": 0.1, "horizon": 100},
     },
-    "analysis": {"reference_arm": "reward_k1", "kl_budgets": [0.01, 0.02]},
+    "analysis": {"reference_arm": "reward_k1"},
     "mlflow": {"experiment": "e2e"},
 }
 ARMS = ("reward_k1", "loss_k3")

@@ -1,0 +1,247 @@
+"""Markdown tables and small phrases of the report (formatting only; every number is computed elsewhere)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+
+from ablations import stats as S
+from ablations.config import AnalysisParams
+from ablations.load import BASELINE
+
+
+def fmt(x, nd: int = 3, sign: bool = False) -> str:
+    """A number with ``nd`` decimals (signed if ``sign``); "–" for None/NaN/inf."""
+    if x is None or (isinstance(x, float | np.floating) and not np.isfinite(x)):
+        return "–"
+    return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
+
+
+def ci(lo, hi, nd: int = 3, sign: bool = True) -> str:
+    return f"[{fmt(lo, nd, sign)}, {fmt(hi, nd, sign)}]"
+
+
+def pval(p: float) -> str:
+    return "–" if not np.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def count(n: float) -> str:
+    """An instance count: "N", or "out of reach" (inf), or "–"."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "–"
+    return f">{S.MAX_INSTANCES} / out of reach" if math.isinf(n) else str(int(n))
+
+
+def span(x: pd.Series) -> str:
+    lo, hi = int(x.min()), int(x.max())
+    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+
+def md(rows: list[dict] | pd.DataFrame) -> str:
+    df = pd.DataFrame(rows)
+    return "(none)" if df.empty else df.to_markdown(index=False, disable_numparse=True)
+
+
+def _cell(arm: str, kind: str, level) -> str:
+    if arm == BASELINE:
+        return "no KL"
+    return f"{arm} @ {'coef' if kind == 'fixed' else 'KL'} {level:g}"
+
+
+def collapse_words(collapse: pd.DataFrame) -> str:
+    """ "collapses: cell k/n (95% CI [..]), ..." for cells with any collapsed run."""
+    hit = collapse[collapse.collapsed > 0]
+    if hit.empty:
+        return "no run collapsed"
+    return "collapses: " + ", ".join(
+        f"{_cell(r.arm, r.kind, r.level)} {r.collapsed}/{r.runs} (95% CI {ci(r.ci_lo, r.ci_hi, 2, False)})"
+        for r in hit.itertuples()
+    )
+
+
+def answers_table(tr) -> str:
+    fam = tr.families
+    rows = []
+    for a in tr.answers.itertuples():
+        f = fam[(fam.question == a.question) & (fam.metric == a.metric)]
+        rows.append({"question": a.question, "metric": a.metric, "reported answer": a.reported,
+                     "full data": a.answer, "half A / half B": f"{a.half_a} / {a.half_b}", "split-half": a.status,
+                     "positive controls passed": f"{int(f.pc_pass.sum())}/{len(f)}"})  # fmt: skip
+    return md(rows)
+
+
+def families_table(f: pd.DataFrame, alpha: float) -> str:
+    rows = [
+        {"family": r.family, "m": str(r.m), "n": str(r.n),
+         "positive control": f"{fmt(r.pc_diff, sign=True)}, p {pval(r.pc_p)} vs α/m {r.pc_threshold:.4f}",
+         "passes": "yes" if r.pc_pass else "**no: insensitive**",
+         "exact floor": f"{r.floor:.4f}", "exact test can reach α/m": "yes" if r.exact_reachable else "no"}
+        for r in f.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def restraint_table(r: pd.DataFrame) -> str:
+    rows = [
+        {"coef": f"{x.level:g}", "arm": x.arm, "n": str(x.n), "KL arm / no KL (nats, geo. mean)":
+         f"{fmt(x.kl_arm, 2)} / {fmt(x.kl_none, 2)}", "log ratio": fmt(x.log_ratio, sign=True),
+         "90% CI": ci(x.ci90_lo, x.ci90_hi), "p restrains (Holm)": pval(x.p_restrain_holm),
+         "p does not (Holm)": pval(x.p_no_restraint_holm), "p sign-flip (restrains)": pval(x.p_perm),
+         "verdict": x.verdict}
+        for x in r.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def collapse_table(col: pd.DataFrame, cells: pd.DataFrame) -> str:
+    key = lambda r: (r.kind, r.arm, None if pd.isna(r.level) else float(r.level))
+    flags = {key(r): (r.bimodality_p, r.bimodal_why, r.final_gold_mean, r.final_gold_sd) for r in cells.itertuples()}
+    rows = []
+    for r in col.itertuples():
+        bp, why, m, sd = flags.get(key(r), (math.nan, "", math.nan, math.nan))
+        flag = f"**yes**: {why} (E-H p {pval(bp)})" if why else f"no (E-H p {pval(bp)})"
+        rows.append({"cell": _cell(r.arm, r.kind, r.level), "runs": str(r.runs), "collapsed": str(r.collapsed),
+                     "rate (95% CI)": f"{r.rate:.2f} {ci(r.ci_lo, r.ci_hi, 2, False)}",
+                     "final gold mean ± SD": f"{fmt(m)} ± {fmt(sd)}", "bimodal": flag})  # fmt: skip
+    return md(rows)
+
+
+def steering_table(st: pd.DataFrame) -> str:
+    rows = [
+        {"arm": r.arm, "target (nats)": f"{r.target:g}", "hits": f"{r.hits}/{r.runs}",
+         "hit rate (95% CI)": f"{r.rate:.2f} {ci(r.ci_lo, r.ci_hi, 2, False)}",
+         "steerable": "yes" if r.steerable else "**no**",
+         "final KL median [min, max]": f"{fmt(r.kl_median, 2)} [{fmt(r.kl_min, 2)}, {fmt(r.kl_max, 2)}]"}
+        for r in st.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def tuning_table(t: pd.DataFrame) -> str:
+    rows = [
+        {"arm": r.arm, "chosen on instances": ", ".join(map(str, r.selected_on)), "coef": f"{r.coef:g}",
+         "evaluated on instances": ", ".join(map(str, r.evaluated_on))}
+        for r in t.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def _verdict(r) -> str:
+    if not r.in_family:
+        return "detected" if r.verdict == S.DIFFERENCE else "**not detected**"
+    if r.verdict == S.DIFFERENCE:
+        return "difference (within margin)" if r.within_margin else "**difference**"
+    if r.verdict == S.INCONCLUSIVE and r.n >= 2:
+        return f"inconclusive (n for Δ: {count(r.n_needed_diff)}; for equivalence: {count(r.n_needed_equiv)})"
+    return r.verdict
+
+
+def comparison_table(c: pd.DataFrame) -> str:
+    rows = [
+        {"family": r.family.split(" @ ")[-1] if " @ " in r.family else "tuned", "comparison": r.label,
+         "role": r.role, "n": str(r.n), "means": f"{fmt(r.mean_arm)} / {fmt(r.mean_other)}",
+         "Δ": fmt(r.diff, sign=True), "95% CI": ci(r.ci95_lo, r.ci95_hi), "90% CI (TOST)": ci(r.ci90_lo, r.ci90_hi),
+         "p Holm": pval(r.p_holm) if r.in_family else f"{pval(r.p)} (raw)", "p TOST Holm": pval(r.p_tost_holm),
+         "p sign-flip": pval(r.p_perm), "verdict": _verdict(r)}
+        for r in c.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def factorial_table(f: pd.DataFrame) -> str:
+    rows = [
+        {"runs": "tuned" if r.kind == "tuned" else f"{r.kind} {r.level:g}", "effect": r.effect,
+         "components": str(r.components), "n": str(r.n), "mean": fmt(r.mean, sign=True),
+         "Σt²": f"{r.statistic:.3g}", "p (sign-flip)": pval(r.p) + ("" if r.exact else " (MC)"),
+         "floor": f"{r.floor:.4f}", "bimodal cells": r.bimodal_cells or "–"}
+        for r in f.itertuples()
+    ]  # fmt: skip
+    return md(rows)
+
+
+def secondary_lines(sec: pd.DataFrame, proto: AnalysisParams) -> list[str]:
+    """One line per arm and outcome: its value per level and its difference to the reference with a 95% CI."""
+    if sec.empty:
+        return ["(no length or empty-response measurements)"]
+    out = []
+    for (arm, outcome), g in sec.groupby(["arm", "outcome"], sort=False):
+        unit = "tokens" if outcome == "length" else "share"
+        parts = []
+        for r in g.itertuples():
+            where = "" if r.kind == "baseline" else f"{'coef' if r.kind == 'fixed' else 'KL'} {r.level:g}: "
+            d = (
+                ""
+                if pd.isna(getattr(r, "diff", np.nan))
+                else f" (Δ {fmt(r.diff, 2, True)}, 95% CI {ci(r.ci_lo, r.ci_hi, 2)})"
+            )
+            parts.append(f"{where}{fmt(r.mean, 2)}{d}")
+        name = "no KL" if arm == BASELINE else arm
+        out.append(f"- {name}, {'final length' if outcome == 'length' else 'empty responses'} ({unit}; Δ vs "
+                   f"{proto.reference_arm}): " + "; ".join(parts))  # fmt: skip
+    return out
+
+
+def stability_table(ans: pd.DataFrame) -> str:
+    return md(ans[["question", "metric", "answer", "half_a", "half_b", "status", "reported"]]
+              .rename(columns={"answer": "full data"}))  # fmt: skip
+
+
+def scale_words(runs: pd.DataFrame, margin: float, reference: str) -> str:
+    """The gold margin against the scales it is meant to be a fraction of, as observed in these runs."""
+    base = runs[runs.kind == "baseline"]
+    peak = float((base.peak_gold - base.sft_gold).mean()) if "peak_gold" in base else math.nan
+    ref = runs[(runs.kind == "fixed") & (runs.arm == reference)]
+    gain = (ref.final_gold - ref.sft_gold).groupby(ref.level).mean()
+    best = float(gain.max()) if len(gain) else math.nan
+    pct = lambda s: f"{margin / s:.0%}" if np.isfinite(s) and s > 0 else "–"
+    return (
+        f"Observed scales (not used to set the margin): the no-KL runs' mean peak gold gain over SFT is {fmt(peak)} "
+        f"(gold margin = {pct(peak)} of it); {reference}'s best mean final gain over SFT across coefficients is "
+        f"{fmt(best)} (margin = {pct(best)} of it)."
+    )
+
+
+def target_overlap(targets: list[float], tol: float) -> str:
+    """A warning when adjacent KL targets' tolerance bands overlap (a run could hit two targets)."""
+    t = sorted(targets)
+    bad = [(a, b) for a, b in itertools.pairwise(t) if a * (1 + tol) >= b * (1 - tol)]
+    if not bad:
+        return ""
+    return "**Warning:** the tolerance bands of targets " + ", ".join(f"{a:g} and {b:g}" for a, b in bad) + " overlap."
+
+
+def methods(tr, p: AnalysisParams) -> list[str]:
+    tp = p.tasks[tr.task]
+    return [
+        "## Methods (pre-registered in params.yaml `analysis`)",
+        "",
+        "- Unit: the task instance (its own data, SFT policy and reward); PPO seeds nested in an instance are "
+        "averaged first. Arms share instances, so every test is paired by instance.",
+        f"- Differences: paired t-test, two-sided, Holm within each family at α = {p.alpha:g}; 95% CI beside it. "
+        f"Equivalence: TOST against the metric's margin ({', '.join(f'{k} ±{v:g}' for k, v in tp.margins.items())}),"
+        f" Holm within the family; its matching 90% CI is printed beside every verdict (comparisons.csv also holds "
+        f"the (1 − 2α/m) CI, which inside ±margin shows equivalence at the strictest Holm step).",
+        "- Verdict: *difference* (Holm p < α; *within margin* if TOST also passes), else *equivalent*, else "
+        "*inconclusive* with the instances a t-test (or TOST) at α/m would need for power "
+        f"{p.power:g} when the true difference is the OBSERVED one with the observed SD; equivalence is out of reach "
+        "when that difference is at or beyond the margin.",
+        "- Families: Q1 one per coefficient; Q2 one per (metric, coefficient); Q3 one per (metric, KL target); Q4 "
+        "one per metric. Members: each arm against the reference arm and, within each estimator with both, loss "
+        "against reward placement. The positive control (no KL against the reference arm; Q1: the reference arm "
+        "restrains) is outside the family and must pass at α/m. Q3 also *matters* when an arm is not steerable to "
+        "a target the reference arm is steered to; a miss keeps its final values in the comparison.",
+        "- Exact sign-flip tests are shown as a cross-check; with n instances their floor is 2/2^n (1/2^n one-sided)"
+        " and a family where that floor is at least α/m cannot reach significance with them.",
+        "- Bimodality: a cell is flagged when it mixes collapsed and non-collapsed runs, or when the "
+        f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. "
+        "Factorial effects: studentized sign-flip tests of within-instance contrasts.",
+        "- Stability: instances dealt alternately into two halves; every question answered on each half.",
+        f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; minimum log KL "
+        f"reduction {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
+        f"{p.min_hit_rate:g}; collapse drop {tp.collapse_drop:g}; bimodality α {p.bimodality_alpha:g}.",
+        f"- {scale_words(tr.runs, tp.margins['gold'], p.reference_arm)}",
+        "",
+    ]
