@@ -8,7 +8,11 @@ What a user sees first is set up server-side, as experiment tags the MLflow 3.17
 experiment description (``mlflow.note.content``, markdown, shown above the runs table) and a saved view
 (``mlflow.sharedViewState.<id>``, listed under *Views*) whose chart view starts with ``eval/gold`` and ``eval/kl``,
 runs grouped by arm. Without it the UI orders charts alphabetically, by section (the metric key up to its last
-``/``; keys without one go to "Model metrics", shown last) and by key within a section.
+``/``; keys without one go to "Model metrics", shown last) and by key within a section. Sources, in mlflow's
+``mlflow/server/js/src/experiment-tracking/components/``: ``runs-charts/runs-charts.types.ts``
+(``getBaseChartAndSectionConfigs``: the default charts), ``experiment-page/utils/savedViewEnvelope.ts`` and
+``experiment-page/hooks/useSharedExperimentViewState.ts`` (saved views); checked against the 3.17.2 build by
+tests/pipelines/test_mlflow_ui.py.
 """
 
 from __future__ import annotations
