@@ -33,7 +33,8 @@ lint: install                ## ruff check + ruff format --check (configured in 
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-ui: install                  ## browse runs at http://127.0.0.1:5000 (Experiments > kl-placement > Model training)
+ui: install                  ## browse runs at http://127.0.0.1:5000; prints the address of the training-curves view
+	$(PY) -m pipelines.tracking --url http://127.0.0.1:5000
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db \
 	  --host 127.0.0.1 --port 5000 --workers 1
 

@@ -56,13 +56,25 @@ def main(
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(Path(tmp) / rel, out / rel)
         written = [out / rel for rel in produced]
-        # MLflow is only a mirror: the run directories were the input, reports/ is the output.
-        stats = json.loads((out / "stats.json").read_text())
-        tracking.log_final(client, run_id, tracking.flatten_numbers(stats))
-        for path in written:
-            sub = path.parent.relative_to(out)
-            client.log_artifact(run_id, str(path), artifact_path=None if sub == Path(".") else str(sub))
+        log_to_mlflow(client, run_id, out, written)
     return written
+
+
+def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
+    """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
+    (``comparisons.json``), stats.json's top-level strings (the headline answer) as tags and its verdict counts as
+    metrics. Not one metric per comparison: the chart view would open on a bar chart of each. The verdict counts'
+    keys have no "/", so the UI files them under "Model metrics", after the training curves.
+    MLflow is only a mirror: the run directories were the input, reports/ is the output."""
+    from mlflow.entities import RunTag
+
+    stats = json.loads((out / "stats.json").read_text())
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in stats.items() if isinstance(v, str)])
+    tracking.log_final(client, run_id, tracking.flatten_numbers(stats["verdicts"], "verdicts."))
+    tracking.log_csv_table(client, run_id, out / "comparisons.csv", "comparisons.json", first=("label", "verdict"))
+    for path in written:
+        sub = path.parent.relative_to(out)
+        client.log_artifact(run_id, str(path), artifact_path=None if sub == Path(".") else str(sub))
 
 
 if __name__ == "__main__":

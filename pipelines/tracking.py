@@ -1,11 +1,23 @@
 """MLflow logging for every stage: one visible run per DVC stage, marked FAILED if the stage dies.
 
 Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db``; artifacts in
-``<repo>/mlartifacts``. Browse with ``mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1``.
+``<repo>/mlartifacts``. Browse with ``make ui``, which prints the address of the experiment's training-curves view
+(``python -m pipelines.tracking``).
+
+What a user sees first is set up server-side, as experiment tags the MLflow 3.17 UI reads (see ``describe``): the
+experiment description (``mlflow.note.content``, markdown, shown above the runs table) and a saved view
+(``mlflow.sharedViewState.<id>``, listed under *Views*) whose chart view starts with ``eval/gold`` and ``eval/kl``,
+runs grouped by arm. Without it the UI orders charts alphabetically, by section (the metric key up to its last
+``/``; keys without one go to "Model metrics", shown last) and by key within a section. Sources, in mlflow's
+``mlflow/server/js/src/experiment-tracking/components/``: ``runs-charts/runs-charts.types.ts``
+(``getBaseChartAndSectionConfigs``: the default charts), ``experiment-page/utils/savedViewEnvelope.ts`` and
+``experiment-page/hooks/useSharedExperimentViewState.ts`` (saved views); checked against the 3.17.2 build by
+tests/pipelines/test_mlflow_ui.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -46,10 +58,10 @@ def _client(experiment: str):
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        exp_id = client.create_experiment(experiment, artifact_location=(ROOT / "mlartifacts").as_uri())
-    else:
-        exp_id = exp.experiment_id
-    return client, exp_id
+        client.create_experiment(experiment, artifact_location=(ROOT / "mlartifacts").as_uri())
+        exp = client.get_experiment_by_name(experiment)
+    describe(client, exp)
+    return client, exp.experiment_id
 
 
 def _raise_on_term(signum, frame):
@@ -118,3 +130,144 @@ def log_final(client, run_id: str, values: dict) -> None:
         [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
         step_key="step",
     )
+
+
+# --- What a user sees first in the MLflow UI (experiment tags read by MLflow 3.17's web app) ---
+
+DESCRIPTION_TAG = "mlflow.note.content"  # the experiment description, markdown
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # + view id: a saved view of the runs page (UI state as JSON)
+CURVES_VIEW = "training-curves"  # id of the saved view opened by view_path()
+CURVES_VIEW_NAME = "Training curves by arm"
+FIRST_CHARTS = ("eval/gold", "eval/kl")  # first charts of the saved view, in this order
+GROUP_BY_TAGS = ("arm",)  # run tags the saved view groups runs by (mean curve per group)
+# Chart sections of the saved view, in order: MLflow files a metric under its key up to the last "/" ("Model
+# metrics" when there is none); sections it finds later (new metric prefixes) are appended after these.
+SECTIONS = ("eval", "train", "Model metrics", "System metrics")
+
+
+def view_path(experiment_id: str) -> str:
+    """The web app's route (after the server address) of the experiment's training-curves view: the *Model
+    training* workflow (the bare experiment route opens the GenAI overview), chart mode, the saved view."""
+    return (
+        f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
+        f"&viewStateShareKey={CURVES_VIEW}"
+    )
+
+
+def description(experiment_id: str) -> str:
+    """The experiment description (markdown). The UI shows only its first paragraph until expanded, so that one
+    fits a line: where the answer is, and a link to the training-curves view."""
+    return f"""**Does it matter where the KL penalty goes?** The answer: `reports/report.md` (also an artifact of the \
+`analysis` run). Start with the [training curves by arm]({view_path(experiment_id)}).
+
+- **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`). Re-running a stage replaces \
+its run; a stage that died leaves its run *Failed*.
+- **Tags**: a grid cell's axes (`arm`, `coef`, `seed`, `placement`, `estimator`, `target`) and `git_commit`. \
+Filter with e.g. `tags.arm = "loss_k3"`, or *Group by* a tag.
+- **Metrics** by PPO iteration: `eval/*`, the held-out measurement every arm shares (gold reward, exact \
+KL(π‖π_ref), proxy reward, entropy, length, share of ungrammatical words), and `train/*`, each arm's own training \
+statistics; `final_*`/`peak_*`, a cell's summary; the `analysis` run's verdict counts.
+- **Artifacts**: each cell's `curves.png`; the `analysis` run's report, figures and every comparison as a table \
+(`comparisons.json`: *View as table*).
+- **Params**: the stage's resolved configuration from `params.yaml`.
+"""
+
+
+def curves_view_state() -> dict:
+    """The runs-page UI state of the training-curves view, in the MLflow 3.17 web app's format (fields of its
+    ``ExperimentPageUIState``; the web app fills in every field left out with its default): chart mode is set by
+    the URL, this sets the charts, their sections and the grouping."""
+    sections = [
+        {"uuid": f"section-{i}", "name": name, "display": True, "isReordered": True, "deleted": False}
+        for i, name in enumerate(SECTIONS)
+    ]
+    charts = [
+        {
+            "uuid": f"chart-{key}",
+            "type": "LINE",
+            "isGenerated": False,
+            "deleted": False,
+            "metricSectionId": sections[0]["uuid"],
+            "metricKey": key,
+            "selectedMetricKeys": [key],
+            "xAxisKey": "step",
+            "xAxisScaleType": "linear",
+            "scaleType": "linear",
+            "lineSmoothness": 0,
+            "selectedXAxisMetricKey": "",
+            "useGlobalXaxisKey": False,
+            "useGlobalLineSmoothing": False,
+            "runsCountToCompare": 10,
+        }
+        for key in FIRST_CHARTS
+    ]
+    return {
+        "compareRunCharts": charts,
+        "compareRunSections": sections,
+        "isAccordionReordered": True,  # keep SECTIONS' order (the web app would sort them by name)
+        "groupBy": {
+            "aggregateFunction": "average",
+            "groupByKeys": [{"mode": "tag", "groupByData": t} for t in GROUP_BY_TAGS],
+        },
+        "useGroupedValuesInCharts": True,
+        "hideEmptyCharts": True,
+    }
+
+
+def describe(client, experiment) -> None:
+    """Sets the experiment's description and training-curves view; writes only what differs, so the parallel
+    stages of a grid, which all call this, write nothing once the first one has."""
+    tags = {
+        DESCRIPTION_TAG: description(experiment.experiment_id),
+        # a saved view: {"name", "createdAt" (ms), "state": the UI state as a JSON string}
+        VIEW_TAG_PREFIX + CURVES_VIEW: json.dumps(
+            {"name": CURVES_VIEW_NAME, "createdAt": 0, "state": json.dumps(curves_view_state())}
+        ),
+    }
+    for key, value in tags.items():
+        if experiment.tags.get(key) != value:
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+
+
+def log_csv_table(client, run_id: str, csv_path: Path, artifact_file: str, first: tuple[str, ...] = ()) -> None:
+    """Logs a CSV file as an MLflow table artifact (JSON, shown as a table on the run's Artifacts tab and in the
+    runs page's artifact view), with its columns named in ``first`` moved to the front."""
+    import pandas as pd
+
+    table = pd.read_csv(csv_path)
+    front = [c for c in first if c in table.columns]
+    client.log_table(
+        run_id, data=table[front + [c for c in table.columns if c not in front]], artifact_file=artifact_file
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m pipelines.tracking [params.yaml] [--url http://127.0.0.1:5000]``, run by ``make ui`` before the
+    server starts: brings the description and the training-curves view of the experiment named in params.yaml up
+    to date (a store written before they existed gets them too) and prints the address of that view."""
+    import argparse
+
+    from ablations.config import PARAMS_FILE, load_params
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("params", nargs="?", default=PARAMS_FILE)
+    ap.add_argument("--url", default="http://127.0.0.1:5000")
+    args = ap.parse_args(argv)
+    name = load_params(args.params).mlflow.experiment
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        print(f"no MLflow store at {uri} yet: run the pipeline first (`make repro`)")
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        print(f"no experiment {name!r} in {uri} yet: run the pipeline first (`make repro`)")
+        return
+    describe(client, exp)
+    print(f"Experiment {name!r}, training curves by arm: {args.url.rstrip('/')}/{view_path(exp.experiment_id)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,16 +1,23 @@
-"""The MLflow UI, as the README tells users to start it, lists the stage runs and draws their metric charts.
+"""What a user sees in the MLflow UI, started as the README says, over runs logged the way the stages log them.
 
-Logs two fake stage runs with ``pipelines.tracking`` into a temporary sqlite store, starts
+Logs stage runs with ``pipelines.tracking`` into a temporary sqlite store (an SFT run, a few grid cells of
+different arms with their tags and ``eval/*``/``train/*`` curves, and the analysis run through
+``pipelines.analysis.log_to_mlflow`` on the committed ``reports/``), starts
 ``mlflow ui --backend-store-uri sqlite:///<tmp>/mlflow.db --host 127.0.0.1`` on a free port and drives headless
-Chromium through the runs table and a run's "Model metrics" tab. Needs Debian's ``chromium`` and
-``chromium-driver`` (/usr/bin/chromium, /usr/bin/chromedriver); skipped without them. Slow (about a minute, most
-of it the server's start-up): run with `make test-all`. Screenshots of both pages are left in tmp_path
-(`pytest --basetemp=DIR` to keep them somewhere known).
+Chromium through: the runs table with the experiment description; the chart view as it opens by default; the
+training-curves view that ``make ui`` prints; a run's "Model metrics" tab; the analysis run's comparisons table.
+Needs Debian's ``chromium`` and ``chromium-driver`` (/usr/bin/chromium, /usr/bin/chromedriver); skipped without
+them. Slow (a few minutes on a busy 2-core machine, most of it the server's start-up and page loads): run with
+`make test-all`. Screenshots of every page are left in the module's temporary folder (`pytest --basetemp=DIR` to
+keep them somewhere known); docs/mlflow_ui.png is ``curves_view.png``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,52 +27,90 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-EXPERIMENT = "ui-check"
-STAGES = ["ppo@reward_k1-0.1-0", "baseline@0"]
-ITERATIONS = 5
-SERVER_START_S = 90  # `mlflow ui` imports a lot; on a 2-core machine it takes ~20-40 s to answer
-PAGE_S = 30  # per-page wait for the single-page app to fetch and render
+EXPERIMENT = "kl-placement"  # as in params.yaml, for the screenshot
+# (arm, coef, seed) of the grid cells; "none" is the no-KL baseline. Tags as pipelines/ppo.py sets them.
+CELLS = [("reward_k1", 0.1, 0), ("reward_k1", 0.1, 1), ("loss_k1", 0.1, 0), ("loss_k2", 0.1, 0), ("none", 0.0, 0)]
+EVAL_KEYS = ["gold", "proxy", "kl", "entropy", "length", "illegal"]  # rlhf/evaluate.py
+TRAIN_KEYS = ["kl_coef", "pg_loss", "vf_loss", "score", "gold_train"]
+ITERATIONS = 7  # eval steps per cell
+SERVER_START_S = 120  # `mlflow ui` imports a lot; on a busy 2-core machine it takes ~20-60 s to answer
+PAGE_S = 60  # per-page wait for the single-page app to fetch and render
 
 # Routes and selectors of MLflow 3.17's UI, found by inspecting its DOM; a UI upgrade may need them updated.
+RUNS_PAGE = "#/experiments/{exp_id}/runs?workflowType=machine_learning"  # runs table, "Model training" workflow
 RUN_LINK = 'a[href$="#/experiments/{exp_id}/runs/{run_id}"]'  # run-name cell of the runs table
-CHART_CARD = '[data-testid="experiment-view-compare-runs-card"]'  # one chart card on the model-metrics tab
+CHART_CARD = '[data-testid="experiment-view-compare-runs-card"]'  # one chart card (chart view, model-metrics tab)
 PLOT_POINT = ".js-plotly-plot .scatterlayer path.point"  # plotly marker of one logged step
-CLOSE_ASSISTANT = '[data-component-id="mlflow.assistant.chat_panel.close"]'  # side panel, only for the screenshot
+PLOT_LINE = ".js-plotly-plot .scatterlayer path.js-line"  # plotly line of one trace
+CLOSE_ASSISTANT = '[data-component-id="mlflow.assistant.chat_panel.close"]'  # side panel, only for screenshots
 
 if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
     pytest.skip(
         f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)", allow_module_level=True
     )
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install -e .[dev])")
+from selenium.common.exceptions import WebDriverException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> dict:
-    """A sqlite store in tmp_path with one finished run per stage, each with ITERATIONS steps of eval/gold and
-    eval/kl. Returns {"db": path, "experiment_id": ..., "runs": {stage: run_id}}."""
-    from pipelines import tracking
+def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
+    """Made-up but typical curves: without KL gold rises then falls as KL grows; other arms differ a little."""
+    strength = {"none": 0.0, "reward_k1": 1.0, "loss_k1": 0.6, "loss_k2": 0.8}[arm]
+    evals, history = [], []
+    for i in range(ITERATIONS):
+        kl = (0.4 + 0.6 * (1 - strength)) * i * i / 4
+        gold = 0.05 * i - 0.012 * (1 - strength) * i * i - 0.01 * k
+        evals.append(
+            {"iteration": 5 * i, "gold": gold, "proxy": 0.08 * i, "kl": kl, "entropy": 1.2 - 0.05 * i}
+            | {"length": 8 + 0.1 * i, "illegal": 0.02 * kl}
+        )
+        history.append({"iteration": 5 * i, "kl_coef": 0.1 * strength, "pg_loss": -0.01, "vf_loss": 0.1 / (1 + i)})
+        history[-1] |= {"score": 0.08 * i, "gold_train": gold + 0.01 * math.sin(i)}
+    return evals, history
 
-    db = tmp_path / "mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
-    monkeypatch.setattr(tracking, "ROOT", tmp_path)  # artifact location
-    monkeypatch.chdir(tmp_path)
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict:
+    """A sqlite store with one finished run per stage: sft, the CELLS, and analysis (logged from the committed
+    reports/). Returns {"db", "dir", "experiment_id", "runs": {stage: run_id}}."""
+    from pipelines import analysis, tracking
+
+    tmp = tmp_path_factory.mktemp("mlflow_ui")
+    db = tmp / "mlflow.db"
     runs = {}
-    for k, stage in enumerate(STAGES):
-        with tracking.stage_run(stage, EXPERIMENT, {"stage": stage, "ppo": {"iterations": ITERATIONS}}) as (c, rid):
-            rows = [{"iteration": i, "gold": 0.1 * i * (k + 1), "kl": 0.01 * i * i} for i in range(ITERATIONS)]
-            tracking.log_metrics(c, rid, rows, prefix="eval/")
-            runs[stage] = rid
-    exp_id = c.get_experiment_by_name(EXPERIMENT).experiment_id
-    return {"db": db, "experiment_id": exp_id, "runs": runs}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+        mp.setattr(tracking, "ROOT", tmp)  # artifact location
+        with tracking.stage_run("sft", EXPERIMENT, {"sft": {"steps": 40}}) as (client, rid):
+            tracking.log_metrics(client, rid, [{"step": i, "train_loss": 3 / (1 + i)} for i in range(40)], "", "step")
+            runs["sft"] = rid
+        for k, (arm, coef, seed) in enumerate(CELLS):
+            stage = f"baseline@{seed}" if arm == "none" else f"ppo@{arm}-{coef}-{seed}"
+            tags = {"arm": arm, "coef": coef, "seed": seed, "target": "reference", "placement": "reward"}
+            with tracking.stage_run(stage, EXPERIMENT, {"ppo": {"iterations": 30}}, tags=tags) as (client, rid):
+                evals, history = cell_curves(arm, k)
+                tracking.log_metrics(client, rid, history, prefix="train/")
+                tracking.log_metrics(client, rid, evals, prefix="eval/")
+                tracking.log_final(client, rid, {"final_gold": evals[-1]["gold"], "final_kl": evals[-1]["kl"]})
+                runs[stage] = rid
+        reports = tmp / "reports"
+        shutil.copytree(REPO / "reports", reports)
+        written = sorted(p for p in reports.rglob("*") if p.is_file())
+        with tracking.stage_run("analysis", EXPERIMENT, {"analysis": {"metric": "final_gold"}}) as (client, rid):
+            analysis.log_to_mlflow(client, rid, reports, written)
+            runs["analysis"] = rid
+    exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    return {"db": db, "dir": tmp, "experiment_id": exp_id, "runs": runs}
 
 
 def free_port() -> int:
@@ -74,33 +119,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def mlflow_ui(store, tmp_path):
+def server_log(folder: Path) -> str:
+    return (folder / "mlflow_ui.log").read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(store):
     """`mlflow ui` on 127.0.0.1:<free port> over the store; yields its base URL and is always stopped."""
-    port = free_port()
-    log = (tmp_path / "mlflow_ui.log").open("w")
+    folder, port = store["dir"], free_port()
+    log = (folder / "mlflow_ui.log").open("w")
     env = {
         **os.environ,
         # the background job runner (GenAI judges, trace roll-ups) is not needed for runs and metric charts;
         # without it the server starts faster and leaves no huey processes behind
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "ui",
-        "--backend-store-uri",
-        f"sqlite:///{store['db']}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store['db']}"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     # own process group: `mlflow ui` runs uvicorn as a child, and both must go at the end
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop():
         for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
@@ -120,7 +157,7 @@ def mlflow_ui(store, tmp_path):
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"mlflow ui exited with {proc.returncode}:\n{server_log(tmp_path)}")
+                raise AssertionError(f"mlflow ui exited with {proc.returncode}:\n{server_log(folder)}")
             try:
                 with urllib.request.urlopen(url + "health", timeout=2) as r:
                     if r.status == 200:
@@ -128,19 +165,16 @@ def mlflow_ui(store, tmp_path):
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"mlflow ui did not answer within {SERVER_START_S} s:\n{server_log(tmp_path)}")
+                raise AssertionError(f"mlflow ui did not answer within {SERVER_START_S} s:\n{server_log(folder)}")
             time.sleep(0.5)
         yield url
     finally:
         stop()
 
 
-def server_log(tmp_path: Path) -> str:
-    return (tmp_path / "mlflow_ui.log").read_text(errors="replace")[-3000:]
-
-
 @pytest.fixture
-def browser(tmp_path):
+def browser(store):
+    """A fresh headless Chromium per test: a new profile, as a user who never opened the UI before."""
     options = webdriver.ChromeOptions()
     for arg in [
         "--headless=new",
@@ -153,9 +187,10 @@ def browser(tmp_path):
         "--disable-component-update",
         "--disable-sync",
         "--window-size=1600,1000",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
     ]:
         options.add_argument(arg)
+    profile = store["dir"] / f"chromium-profile-{time.monotonic_ns()}"
+    options.add_argument(f"--user-data-dir={profile}")
     options.binary_location = str(CHROMIUM)
     # an explicit driver path: Selenium Manager never tries to download one
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
@@ -164,46 +199,127 @@ def browser(tmp_path):
         yield driver
     finally:
         driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
 
 
-def close_assistant_panel(driver) -> None:
-    """The 'MLflow Assistant' side panel opens on a fresh profile; close it so the screenshot shows the charts."""
+def screenshot(driver, store, name: str) -> None:
+    """Closes the 'MLflow Assistant' side panel (it opens on a fresh profile) and saves the page as ``name``."""
     for button in driver.find_elements(By.CSS_SELECTOR, CLOSE_ASSISTANT):
-        if button.is_displayed():
-            button.click()
+        with contextlib.suppress(WebDriverException):  # already gone
+            driver.execute_script("arguments[0].click();", button)
+    time.sleep(1)
+    driver.save_screenshot(str(store["dir"] / name))
 
 
-def rendered_points(card) -> int:
-    return len(card.find_elements(By.CSS_SELECTOR, PLOT_POINT))
+def card_title(card) -> str:
+    return card.text.split("\n", 1)[0].strip()
 
 
-def test_runs_and_metric_chart_show_in_mlflow_ui(store, mlflow_ui, browser, tmp_path):
+def drawn_cards(driver, n: int, has_lines: bool = True):
+    """The first ``n`` chart cards in page order once each shows its title and (for line charts) a drawn line;
+    False while the page is still rendering (for WebDriverWait)."""
+    cards = driver.find_elements(By.CSS_SELECTOR, CHART_CARD)[:n]
+    if len(cards) < n or not all(card_title(c) for c in cards):
+        return False
+    if has_lines and not all(c.find_elements(By.CSS_SELECTOR, PLOT_LINE) for c in cards):
+        return False
+    return cards
+
+
+def test_runs_table_lists_stage_runs_under_the_description(store, mlflow_ui, browser):
+    """The runs table lists each stage's run by name; above it, the description's first line points to the
+    report and links the training-curves view."""
+    from pipelines import tracking
+
     exp_id, runs = store["experiment_id"], store["runs"]
     wait = WebDriverWait(browser, PAGE_S)
-
-    # 1. The experiment's runs table (the "Model training" view; the bare experiment URL opens the GenAI
-    # overview) lists both stage runs by name, each linking to its run page.
-    browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs?workflowType=machine_learning")
+    browser.get(mlflow_ui + RUNS_PAGE.format(exp_id=exp_id))
     for stage, run_id in runs.items():
         link = wait.until(
             lambda d, rid=run_id: d.find_element(By.CSS_SELECTOR, RUN_LINK.format(exp_id=exp_id, run_id=rid)),
             f"no link to run {stage} ({run_id}) in the runs table",
         )
         assert link.text.strip() == stage
-    browser.save_screenshot(str(tmp_path / "mlflow_runs.png"))
+    curves = wait.until(
+        lambda d: d.find_element(By.LINK_TEXT, "training curves by arm"), "no link to the curves in the description"
+    )
+    assert curves.is_displayed()  # in the description's first paragraph, shown without expanding it
+    assert curves.get_attribute("href").endswith(tracking.view_path(exp_id))
+    assert "The answer: reports/report.md" in curves.find_element(By.XPATH, "./ancestor::p").text
+    screenshot(browser, store, "runs_table.png")
 
-    # 2. A run's "Model metrics" tab draws a plotly chart of eval/gold with one marker per logged iteration.
-    stage = STAGES[0]
-    browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{runs[stage]}/model-metrics")
-    close_assistant_panel(browser)
+
+def test_default_chart_view_opens_on_the_held_out_curves(store, mlflow_ui, browser):
+    """The chart view as MLflow builds it by default (alphabetical sections, "Model metrics" last) starts with
+    the eval/* curves: the analysis run adds no section of its own before them (it used to add 81 bar charts)."""
+    exp_id = store["experiment_id"]
+    browser.get(mlflow_ui + RUNS_PAGE.format(exp_id=exp_id) + "&compareRunsMode=CHART")
+    n = len(EVAL_KEYS)
+    cards = WebDriverWait(browser, PAGE_S).until(
+        lambda d: drawn_cards(d, n), f"the chart view does not open on {n} drawn line charts"
+    )
+    assert [card_title(c) for c in cards] == sorted(f"eval/{k}" for k in EVAL_KEYS)
+    screenshot(browser, store, "default_chart_view.png")
+
+
+def test_curves_view_shows_gold_and_kl_first_grouped_by_arm(store, mlflow_ui, browser):
+    """The view `make ui` prints: first eval/gold, then eval/kl, one mean curve per arm (runs grouped by the arm
+    tag), then the other eval/* charts."""
+    from pipelines import tracking
+
+    exp_id = store["experiment_id"]
+    browser.get(mlflow_ui + tracking.view_path(exp_id))
+    cards = WebDriverWait(browser, PAGE_S).until(
+        lambda d: drawn_cards(d, len(EVAL_KEYS)), "the training-curves view shows no drawn line charts"
+    )
+    titles = [card_title(c) for c in cards]
+    assert titles[:2] == list(tracking.FIRST_CHARTS) == ["eval/gold", "eval/kl"]
+    assert sorted(titles) == sorted(f"eval/{k}" for k in EVAL_KEYS)
+    arms = sorted({arm for arm, _, _ in CELLS})
+    legend = cards[0].text
+    assert all(f"{arm} (eval/gold)" in legend for arm in arms), legend  # one trace per arm, named by its group
+    assert len(cards[0].find_elements(By.CSS_SELECTOR, PLOT_LINE)) >= len(arms)
+    page = browser.find_element(By.TAG_NAME, "body").text
+    assert all(f"Group: {arm}" in page for arm in arms)  # the runs list, grouped by arm
+    assert "Training curves by arm" in page  # the saved view's name, on the Views button
+    browser.execute_script("window.scrollTo(0, 0);")
+    screenshot(browser, store, "curves_view.png")
+
+
+def test_run_metrics_tab_draws_every_logged_step(store, mlflow_ui, browser):
+    """A run's "Model metrics" tab draws eval/gold with one marker per logged iteration."""
+    exp_id, stage = store["experiment_id"], "ppo@reward_k1-0.1-0"
+    browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{store['runs'][stage]}/model-metrics")
 
     def gold_card(d):
         cards = [c for c in d.find_elements(By.CSS_SELECTOR, CHART_CARD) if "(eval/gold)" in c.text]
-        return cards[0] if cards and rendered_points(cards[0]) == ITERATIONS else False
+        return cards[0] if cards and len(cards[0].find_elements(By.CSS_SELECTOR, PLOT_POINT)) == ITERATIONS else False
 
-    card = wait.until(gold_card, f"no eval/gold chart with {ITERATIONS} plotted points on the run's metrics tab")
+    card = WebDriverWait(browser, PAGE_S).until(gold_card, f"no eval/gold chart with {ITERATIONS} points")
     assert f"{stage} (eval/gold)" in card.text  # legend names the run and the metric
-    line = card.find_element(By.CSS_SELECTOR, ".js-plotly-plot .scatterlayer path.js-line")
-    assert line.get_attribute("d").startswith("M"), "the eval/gold trace has no line"
+    assert card.find_element(By.CSS_SELECTOR, PLOT_LINE).get_attribute("d").startswith("M")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", card)
-    browser.save_screenshot(str(tmp_path / "mlflow_metric_chart.png"))  # docs/mlflow_ui.png is one of these
+    screenshot(browser, store, "run_metric_chart.png")
+
+
+def test_analysis_run_shows_the_comparisons_as_a_table(store, mlflow_ui, browser):
+    """The analysis run's Artifacts tab shows comparisons.json as a table: one row per comparison, label and
+    verdict first; and the run carries a few headline scalars, not one metric per comparison."""
+    from mlflow.tracking import MlflowClient
+
+    exp_id, run_id = store["experiment_id"], store["runs"]["analysis"]
+    comparisons = pd.read_csv(REPO / "reports" / "comparisons.csv")
+    browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{run_id}/artifacts/comparisons.json")
+    first = comparisons["label"].iloc[0]
+    WebDriverWait(browser, PAGE_S).until(
+        lambda d: first in d.find_element(By.TAG_NAME, "body").text, f"no row {first!r} in the comparisons table"
+    )
+    headers = [h.text.strip() for h in browser.find_elements(By.CSS_SELECTOR, '[role="table"] [role="columnheader"]')]
+    headers = [h for h in headers if h]
+    assert headers[:2] == ["label", "verdict"], headers
+    screenshot(browser, store, "comparisons_table.png")
+
+    run = MlflowClient(tracking_uri=f"sqlite:///{store['db']}").get_run(run_id)
+    assert run.data.tags["headline"]
+    assert 0 < len(run.data.metrics) < len(comparisons)
+    assert not any("/" in key for key in run.data.metrics)  # filed under "Model metrics", after the curves
