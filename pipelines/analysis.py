@@ -62,15 +62,16 @@ def main(
 
 def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
     """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
-    (``comparisons.json``), stats.json's top-level strings (the headline answer) as tags and its verdict counts as
-    metrics. Not one metric per comparison: the chart view would open on a bar chart of each. The verdict counts'
-    keys have no "/", so the UI files them under "Model metrics", after the training curves.
+    (``comparisons.json``), stats.json's top-level strings (the headline answer) as tags, and a few counts
+    (instances, runs, split-half agreement) as metrics. Not one metric per comparison: the chart view would open on
+    a bar chart of each. The counts' keys have no "/", so the UI files them under "Model metrics", after the curves.
     MLflow is only a mirror: the run directories were the input, reports/ is the output."""
     from mlflow.entities import RunTag
 
     stats = json.loads((out / "stats.json").read_text())
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in stats.items() if isinstance(v, str)])
-    tracking.log_final(client, run_id, tracking.flatten_numbers(stats["verdicts"], "verdicts."))
+    counts = {k: stats[k] for k in ("n_instances", "n_runs", "split_half") if k in stats}
+    tracking.log_final(client, run_id, tracking.flatten_numbers(counts))
     tracking.log_csv_table(client, run_id, out / "comparisons.csv", "comparisons.json", first=("label", "verdict"))
     for path in written:
         sub = path.parent.relative_to(out)

@@ -139,7 +139,7 @@ VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # + view id: a saved view of the ru
 CURVES_VIEW = "training-curves"  # id of the saved view opened by view_path()
 CURVES_VIEW_NAME = "Training curves by arm"
 FIRST_CHARTS = ("eval/gold", "eval/kl")  # first charts of the saved view, in this order
-GROUP_BY_TAGS = ("arm",)  # run tags the saved view groups runs by (mean curve per group)
+GROUP_BY_TAGS = ("task", "arm")  # run tags the saved view groups runs by (mean curve per group)
 # Chart sections of the saved view, in order: MLflow files a metric under its key up to the last "/" ("Model
 # metrics" when there is none); sections it finds later (new metric prefixes) are appended after these.
 SECTIONS = ("eval", "train", "Model metrics", "System metrics")

@@ -56,7 +56,7 @@ def test_curves_view_opens_on_gold_and_kl_grouped_by_arm():
     assert all(c["type"] == "LINE" and c["xAxisKey"] == "step" for c in first)
     uuids = [c["uuid"] for c in state["compareRunCharts"]] + [s["uuid"] for s in sections]
     assert len(set(uuids)) == len(uuids)
-    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "arm"}]
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": t} for t in ("task", "arm")]
     path = tracking.view_path("7")
     assert path.startswith("#/experiments/7/runs?") and f"viewStateShareKey={tracking.CURVES_VIEW}" in path
     assert "workflowType=machine_learning" in path and "compareRunsMode=CHART" in path
