@@ -60,11 +60,11 @@ TRUE_CHUNKS = 8  # the true gradient is averaged over this many chunks of n_true
 
 
 def sequence_kl_surrogate(logits, ref_logits, logprobs, mask) -> torch.Tensor:
-    """Scalar whose gradient is an unbiased estimate of g* for responses sampled from the policy:
-    mean_b [sum_t m KL_t + sum_t m (log pi_t - sg log pi_t) sg(sum_{t'>t} m KL_t')]. logits (b, t, V) and
-    logprobs (b, t) carry the gradient, ref_logits (b, t, V) not."""
+    """Per response, (b,): sum_t m KL_t + sum_t m (log pi_t - sg log pi_t) sg(sum_{t'>t} m KL_t'), whose gradient,
+    averaged over responses sampled from the policy, estimates g* without bias. logits (b, t, V) and logprobs
+    (b, t) carry the gradient, ref_logits (b, t, V) not; the value is the exact sequence KL."""
     kl = K.full_kl(logits, ref_logits.detach())  # (b, t)
-    return (kl * mask + K.kl_return_to_go(kl, logprobs, mask)).sum(1).mean()
+    return (kl * mask + K.kl_return_to_go(kl, logprobs, mask)).sum(1)
 
 
 def arm_kl_surrogate(cfg: PPOConfig, policy, traj, mb: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def true_gradient(policy, ref_policy, train_prompts, grammar: Grammar, temperatu
         surrogate = sequence_kl_surrogate(
             logits, ref_logits, logprobs_from_logits(logits, responses), response_mask(responses)
         )
-        chunks.append(flat_grad(surrogate, params))
+        chunks.append(flat_grad(surrogate.mean(), params))
     grads = torch.stack(chunks)  # (C, P)
     return grads.mean(0), grads.var(0).sum().item() / TRUE_CHUNKS
 

@@ -210,8 +210,11 @@ def kl_return_to_go(kl: torch.Tensor, score: torch.Tensor, mask: torch.Tensor) -
     A per-token loss never credits y_t for the KL it causes at t' > t; the gradient of the sequence KL adds
     E[sum_t s_t sum_{t'>t} KL_t'] (Tang & Munos 2025, arXiv 2506.09477; FRPO, arXiv 2601.10201). ``score`` is
     log pi_theta (gradient s_t) or, with ``is_weight``, w_t (gradient w_t s_t, per-token off-policy correction).
-    Written so that its value is 0 and only its gradient counts. The future sum uses the arm's own per-token
-    values k_t' (current parameters), which estimate KL_t' without bias for k1, k3 and full, not for k2."""
+    Written so that its value is 0 and only its gradient counts. ``kl`` (b, t) holds the per-token values summed
+    into the future KL: delta_t' (k1, the issue's sg(delta_t')) for every sampled-token estimator and the exact
+    KL_t' for 'full' (current parameters); both estimate KL_t' without bias given the prefix, so a per-token term
+    whose expected gradient is grad KL_t with the prefix fixed (k2, k1+, k3+, full, w * k3) plus this one is
+    the exact sequence-KL gradient on-policy."""
     future = (kl * mask).detach()
     future = future.flip(1).cumsum(1).flip(1) - future  # (b, t): sum over t' > t
     return (score - score.detach()) * future * mask
@@ -224,8 +227,9 @@ def loss_kl_terms(kc: KLConfig, logprobs, old_logprobs, target_logprobs, logits,
     k = kl_per_token(kc.estimator, logprobs, target_logprobs.detach(), logits, _detach(target_logits))
     score = importance_weight(logprobs, old_logprobs) if kc.is_weight else logprobs  # (b, t)
     terms = score * k if kc.is_weight else k
-    if kc.return_to_go:
-        terms = terms + kl_return_to_go(k, score, mask)
+    if kc.return_to_go:  # the future KL as delta_t' (k1 values) or, for 'full', the exact KL at each position
+        future = k if kc.estimator == "full" else logprobs - target_logprobs.detach()
+        terms = terms + kl_return_to_go(future, score, mask)
     return terms
 
 

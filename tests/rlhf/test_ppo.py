@@ -1,4 +1,5 @@
 import copy
+import itertools
 import math
 
 import pytest
@@ -383,3 +384,37 @@ def test_old_policy_kl_in_reward_is_zero_at_rollout_and_measured_in_later_epochs
     two_epochs = run_ppo(kl=kl, epochs=2)["history"]
     assert all(row["kl_reward"] == 0.0 for row in one_epoch)
     assert all(row["kl_reward"] > 0.0 for row in two_epochs)
+
+
+def test_adaptive_controller_is_fed_the_exact_kl_of_the_rollout(run_ppo, ppo_setup, monkeypatch):
+    """kl_exact = mean_b sum_t KL(pi_old || pi_ref) over the vocabulary, recomputed here independently; the first
+    update uses it (not the arm's k3 estimate), with a target that leaves the error unclipped."""
+    fixed, rollouts, _ = _run_recording(run_ppo, monkeypatch, kl=dict(placement="loss", estimator="k3", coef=0.1))
+    prompts, responses = rollouts[0]
+    with torch.no_grad():
+        logits = response_logits(ppo_setup.policy, prompts, responses, 1.0)
+        ref_logits = response_logits(ppo_setup.ref, prompts, responses, 1.0)
+    mask = ppo.response_mask(responses)
+    exact = (K.full_kl(logits, ref_logits) * mask).sum(1).mean().item()
+    lp, ref_lp = logprobs_from_logits(logits, responses), logprobs_from_logits(ref_logits, responses)
+    k3_sum = (K.kl_per_token("k3", lp, ref_lp) * mask).sum(1).mean().item()
+    assert fixed["history"][0]["kl_exact"] == pytest.approx(exact, rel=1e-5)
+    assert abs(k3_sum - exact) > 1e-3 * exact  # the estimator's sum is a different number
+    target = 1.1 * exact
+    out = run_ppo(kl=dict(placement="loss", estimator="k3", coef=0.1, adaptive_target=target, horizon=100))
+    error = exact / target - 1.0  # -0.0909, inside the clip
+    assert out["history"][1]["kl_coef"] == pytest.approx(0.1 * (1 + error * 8 / 100), rel=1e-5)
+
+
+@pytest.mark.parametrize("algorithm, group_size", [("ppo", 1), ("grpo", 2)])
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_adaptive_controller_steers_the_coefficient_within_a_run(run_ppo, algorithm, group_size, direction):
+    """With a small horizon (40 episodes for batches of 8, as a few hundred for batches of 64 in params.yaml) the
+    coefficient moves every iteration, up when the KL is above the target, down when below."""
+    target = 1e-3 if direction == "up" else 1e3
+    kl = dict(placement="reward", estimator="k1", coef=0.1, adaptive_target=target, horizon=40)
+    coefs = [
+        row["kl_coef"] for row in run_ppo(iterations=4, algorithm=algorithm, group_size=group_size, kl=kl)["history"]
+    ]
+    steps = [b / a for a, b in itertools.pairwise(coefs)]
+    assert steps == pytest.approx([1.04] * 3 if direction == "up" else [0.96] * 3, rel=1e-9)
