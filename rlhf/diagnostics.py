@@ -33,11 +33,15 @@ Each estimate uses one minibatch (minibatch_size responses) of an independently 
 the batch-level parts: group baselines, reward aggregation).
 
 Reported per regime, with g-hat the mean of the ``n_minibatches`` estimates and g* the true gradient:
-    cosine            cos(g-hat, g*); NaN when g-hat is 0 (e.g. a KL to the old policy, on-policy)
+    cosine            cos(g-hat, g*); NaN when g-hat is 0 (e.g. a KL to the old policy, on-policy). For an
+                      estimator with mean 0 (k1 in the loss) g-hat is pure noise and its cosine does not shrink
+                      with more minibatches: read scale and cosine_minibatch, which do go to 0
     cosine_minibatch  mean over minibatches of cos(g_m, g*): the alignment of one step's KL gradient
     scale             <g-hat, g*> / |g*|^2: strength along the true gradient per unit coefficient
-    rel_bias          |g-hat - g*| / |g*|;  rel_bias_noise: the value rel_bias has from sampling noise alone,
-                      sqrt(tr Var(g_m) / n_minibatches + tr Var(g*-estimate)) / |g*|
+    rel_bias          |g-hat - g*| / |g*|;  rel_bias_noise: its expected value from sampling noise alone,
+                      sqrt(tr Var(g_m) / n_minibatches + tr Var(g*-estimate)) / |g*|;  rel_bias_excess:
+                      sqrt(max(rel_bias^2 - rel_bias_noise^2, 0)), the bias with the noise taken out
+                      (E|g-hat - g*|^2 = |bias|^2 + the two variances)
     rel_var           tr Var(g_m) / |g*|^2 (unbiased over minibatches): the variance of one minibatch's estimate
     true_norm, true_rel_se   |g*| and the relative standard error of its estimate
 """
@@ -126,12 +130,15 @@ def compare(estimates: torch.Tensor, truth: torch.Tensor, truth_var: float) -> d
     norm = math.sqrt(norm2)
     est_var = estimates.var(0).sum().item()
     cos = lambda a: a.dot(truth).item() / (a.norm().item() * norm) if a.norm().item() > 0 else float("nan")
+    bias = (mean - truth).norm().item() / norm
+    noise = math.sqrt(est_var / len(estimates) + truth_var) / norm
     return {
         "cosine": cos(mean),
         "cosine_minibatch": sum(cos(e) for e in estimates) / len(estimates),
         "scale": mean.dot(truth).item() / norm2,
-        "rel_bias": (mean - truth).norm().item() / norm,
-        "rel_bias_noise": math.sqrt(est_var / len(estimates) + truth_var) / norm,
+        "rel_bias": bias,
+        "rel_bias_noise": noise,
+        "rel_bias_excess": math.sqrt(max(bias**2 - noise**2, 0.0)),
         "rel_var": est_var / norm2,
         "true_norm": norm,
         "true_rel_se": math.sqrt(truth_var) / norm,
@@ -161,7 +168,7 @@ def gradient_diagnostics(
     d = cfg.diagnostics
     gen = torch.Generator(device=train_prompts.device).manual_seed(d.seed * 1_000_003 + iteration)
     truth_at = lambda pol: true_gradient(pol, ref_policy, train_prompts, grammar, cfg.temperature, d.n_true, gen)
-    base = {"iteration": iteration, "algorithm": cfg.algorithm}
+    base = {"iteration": iteration}
     truth, truth_var = truth_at(policy)
     est = arm_estimates(cfg, policy, policy, sample, gen)
     rows = [{**base, "regime": "on_policy", "updates": 0, **compare(est, truth, truth_var)}]
