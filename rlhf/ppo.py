@@ -158,8 +158,9 @@ def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss
 
 
 def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cfg: PPOConfig, g, it, max_steps=None):
-    """Step 7: epochs x minibatches of updates on one batch. Returns per-iteration means of the minibatch stats and
-    the reward-side KL used (per sequence). ``max_steps`` stops early (gradient diagnostics)."""
+    """Step 7: epochs x minibatches of updates on one batch. Returns (per-iteration means of the minibatch stats,
+    the batch last used: re-made before each later epoch when ``reward_kl_remeasured``). ``max_steps`` stops after
+    that many updates (gradient diagnostics)."""
     _, loss_coef = K.placement_coefs(cfg.kl, kl_coef)
     n_mb = cfg.batch_size // cfg.minibatch_size
     stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
