@@ -29,18 +29,29 @@ from rlhf.config import ALGORITHMS, GROUPED, PPOConfig
 from rlhf.ppo import train_ppo
 
 
-def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):
-    """Seconds per iteration and per 1,000 sampled tokens of every algorithm (medians over repeats)."""
+def upstream(params, device):
+    """(task, grammar, SFT model, reward model) as the DVC stages make them (the first task instance)."""
+    return build_upstream(params, device)[:4]
+
+
+def reference_config(params) -> PPOConfig:
+    """The run config of the reference arm at the middle coefficient, first seed: the benchmarks' common arm."""
     mid = params.grid.coefs[len(params.grid.coefs) // 2]
     cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
-    base = params.ppo_config(cell.kl, cell.seed).model_dump(exclude={"kl"})
+    return params.ppo_config(cell.kl, cell.seed)
+
+
+def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):
+    """Seconds per iteration and per 1,000 sampled tokens of every algorithm (medians over repeats)."""
+    ref_cfg = reference_config(params)
+    base = ref_cfg.model_dump(exclude={"kl"})
     base.update(iterations=iterations, eval_every=iterations)  # held-out evaluation at 0 and the end only
     train, held = task["train_prompts"].to(device), task["eval_prompts"].to(device)
     per_iter, per_ktok = {a: [] for a in ALGORITHMS}, {a: [] for a in ALGORITHMS}
     for _ in range(repeats):
         for algorithm in ALGORITHMS:
             g = group_size if algorithm in GROUPED else 1
-            cfg = PPOConfig(**{**base, "algorithm": algorithm, "group_size": g}, kl=cell.kl)
+            cfg = PPOConfig(**{**base, "algorithm": algorithm, "group_size": g}, kl=ref_cfg.kl)
             stamps = []  # end of each iteration; iterations 2 .. n-1 hold no held-out evaluation
             progress = lambda row, stamps=stamps: stamps.append(time.perf_counter())
             out = train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar, train, held, cfg, progress)
@@ -55,7 +66,7 @@ def bench(params, task, grammar, sft_model, reward_model, iterations: int, repea
         "minibatch_size": base["minibatch_size"],
         "epochs": base["epochs"],
         "group_size_grpo_rloo": group_size,
-        "arm": cell.stage,
+        "arm": f"{params.analysis.reference_arm} at coef {ref_cfg.kl.coef}",
         "threads": torch.get_num_threads(),
         "seconds_per_iteration_median": {a: statistics.median(v) for a, v in per_iter.items()},
         "seconds_per_1000_sampled_tokens_median": {a: statistics.median(v) for a, v in per_ktok.items()},
@@ -75,7 +86,7 @@ def main() -> None:
     torch.set_num_threads(1)
     device = setup()
     params = load_params()
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, device)
+    task, grammar, sft_model, reward_model = upstream(params, device)
     result = bench(
         params, task, grammar, sft_model, reward_model, args.iterations, args.repeats, args.group_size, device
     )

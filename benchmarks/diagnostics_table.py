@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_algorithms import reference_config, upstream
 
 from ablations.config import load_params
-from ablations.grid import cells
 from pipelines.common import setup
-from pipelines.upstream import build_upstream
 from rlhf.config import KLConfig, PPOConfig
 from rlhf.ppo import train_ppo
 
@@ -52,9 +51,7 @@ COLUMNS = ("cosine", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise", 
 
 def warm_policy(params, task, grammar, sft_model, reward_model, iterations: int, device):
     """The SFT model after ``iterations`` of the reference arm: the common checkpoint."""
-    mid = params.grid.coefs[len(params.grid.coefs) // 2]
-    cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
-    cfg = params.ppo_config(cell.kl, cell.seed).model_copy(update=dict(iterations=iterations, eval_every=iterations))
+    cfg = reference_config(params).model_copy(update=dict(iterations=iterations, eval_every=iterations))
     policy = copy.deepcopy(sft_model)
     train = task["train_prompts"].to(device)
     out = train_ppo(policy, sft_model, reward_model, grammar, train, task["eval_prompts"].to(device), cfg)
@@ -64,7 +61,7 @@ def warm_policy(params, task, grammar, sft_model, reward_model, iterations: int,
 def table(params, task, grammar, sft_model, reward_model, policy, n_true: int, n_minibatches: int, device) -> list:
     rows = []
     train, held = task["train_prompts"].to(device), task["eval_prompts"][:16].to(device)
-    base = params.ppo.model_dump(exclude={"kl", "seed"})
+    base = reference_config(params).model_dump(exclude={"kl", "seed", "algorithm", "group_size", "diagnostics"})
     diagnostics = dict(at=[1], n_true=n_true, n_minibatches=n_minibatches, seed=0)
     for algorithm, group_size in ALGORITHMS:
         for label, kl in ARMS:
@@ -99,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(1)
     device = setup()
     params = load_params()
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, device)
+    task, grammar, sft_model, reward_model = upstream(params, device)
     policy, kl = warm_policy(params, task, grammar, sft_model, reward_model, args.warmup, device)
     rows = table(params, task, grammar, sft_model, reward_model, policy, args.n_true, args.n_minibatches, device)
     Path("benchmarks/diagnostics.json").write_text(

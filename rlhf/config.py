@@ -39,7 +39,8 @@ class KLConfig(BaseModel):
     """Which KL, where, estimated how, and how strongly (``rlhf.kl`` has the formulas and sources).
 
     ``coef`` is the fixed coefficient, or the initial one when ``adaptive_target`` is set (Ziegler et al.
-    adaptive controller, ``horizon`` episodes, fed with the exact per-sequence KL to the reference).
+    adaptive controller, ``horizon`` episodes, fed with the exact per-sequence KL to the frozen reference for every
+    arm, whatever its target, estimator or moving reference).
 
     Variants (each off by default; ``rlhf.kl`` applies each in one function):
         estimator 'k1+'/'k3+'  straight-through: value of k1/k3, gradient of k2 (verl)     loss side only
@@ -97,8 +98,6 @@ class KLConfig(BaseModel):
             raise ValueError(
                 f"both_split splits coef between reward and loss: placement 'both' (got {self.placement!r})"
             )
-        if self.adaptive_target is not None and self.target != "reference":
-            raise ValueError("adaptive_target needs target 'reference' (KL to the rollout policy is 0 at rollout)")
         if (self.adaptive_target is None) != (self.horizon is None):
             raise ValueError(
                 "adaptive_target and horizon go together (both set for the adaptive controller, or neither)"

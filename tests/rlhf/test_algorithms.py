@@ -162,6 +162,8 @@ def test_klconfig_refuses_invalid_variants_with_one_message(kw, message):
         dict(placement="both", estimator="k1+", is_weight=True),
         dict(placement="reward", estimator="k1", aggregation="token-mean", ref_sync_every=10, ref_sync_alpha=0.6),
         dict(placement="loss", estimator="k2", target="old_policy", is_weight=True, return_to_go=True),
+        # the controller sees the exact KL to the frozen reference whatever the target, so any arm can be steered
+        dict(placement="loss", estimator="full", target="old_policy", adaptive_target=4.0, horizon=640),
     ],
 )
 def test_klconfig_accepts_valid_variants(kw):
