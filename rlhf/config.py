@@ -51,6 +51,10 @@ class KLConfig(BaseModel):
                                None = coef in each place (coef + coef)
         return_to_go           loss-side score-function term for the future KL (Tang & Munos 2025)
         ref_sync_every/alpha   moving reference: every N iterations ref <- alpha * policy + (1 - alpha) * ref
+
+    Under grpo and rloo a reward-side KL enters each response's return R_i as its sum before the group baseline
+    (TRL), and grpo divides it by the group's reward std with the score, which changes the objective from
+    score - beta * KL (``rlhf.algorithms``); a loss-side KL is untouched by the advantages under every algorithm.
     """
 
     model_config = LIBRARY
