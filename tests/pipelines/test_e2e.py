@@ -145,7 +145,7 @@ def test_adding_a_seed_runs_only_new_cells_and_rerun_keeps_one_run(repo):
     "mutate, message",
     [
         (lambda p: p["grid"]["arms"]["reward_k1"].update(placement="rewrad"), "'reward', 'loss' or 'both'"),
-        (lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3' or 'full'"),
+        (lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3', 'full', 'k1+' or 'k3+'"),
         (lambda p: p["grid"].update(coefs=[-0.1]), "grid.coefs"),
         (lambda p: p["grid"].update(seeds=[]), "grid.seeds"),
         (lambda p: p["grid"].update(seeds=[1, 1]), "duplicate seed 1"),
