@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator, model_validator
 
-from rlhf.config import Estimator, KLConfig, PPOConfig, Target
+from rlhf.config import Aggregation, Algorithm, Estimator, KLConfig, PPOConfig, Target
 
 PARAMS_FILE = Path("params.yaml")
 STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -129,14 +129,26 @@ class PPODefaults(PPOConfig):
 
 
 class Arm(BaseModel):
-    """One KL variant of the grid: a KLConfig without its coefficient (the grid's coefs supply it)."""
+    """One variant of the grid: a KLConfig without its coefficient (the grid's coefs, or the matched cells'
+    controller, supply it), optionally under another algorithm than the task's ``ppo.algorithm``.
+
+    Every field but target, placement and estimator is an option that is off when absent (rlhf/config.py
+    KLConfig documents each, with its source); ``algorithm``/``group_size`` replace the task's ppo values."""
 
     model_config = STRICT
     target: Target
     placement: Literal["reward", "loss", "both"]
     estimator: Estimator
-    adaptive_target: FiniteFloat | None = Field(None, gt=0.0)
-    horizon: int | None = Field(None, gt=0, le=100_000_000)
+    adaptive_target: FiniteFloat | None = None
+    horizon: int | None = None
+    is_weight: bool = False
+    aggregation: Aggregation | None = None
+    both_split: FiniteFloat | None = None
+    return_to_go: bool = False
+    ref_sync_every: int | None = None
+    ref_sync_alpha: FiniteFloat | None = None
+    algorithm: Algorithm | None = None
+    group_size: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +162,14 @@ class Arm(BaseModel):
 
     def kl(self, coef: float, **override) -> KLConfig:
         """This arm's KLConfig at ``coef`` (``override``: e.g. a matched cell's adaptive_target and horizon)."""
-        return KLConfig(**{**self.model_dump(), "coef": coef, **override})
+        return KLConfig(**{**self.model_dump(exclude=set(PPO_OVERRIDES)), "coef": coef, **override})
+
+    def ppo_overrides(self) -> dict:
+        """The task's ppo values this arm replaces (algorithm, group_size)."""
+        return {k: v for k in PPO_OVERRIDES if (v := getattr(self, k)) is not None}
+
+
+PPO_OVERRIDES = ("algorithm", "group_size")
 
 
 class MatchedParams(BaseModel):
@@ -319,8 +338,9 @@ class GrammarParams(BaseModel):
             )
         return self
 
-    def ppo_config(self, kl: KLConfig, seed: int) -> PPOConfig:
-        return PPOConfig(**self.ppo.model_dump(exclude={"kl", "seed"}), kl=kl, seed=seed)
+    def ppo_config(self, kl: KLConfig, seed: int, **overrides) -> PPOConfig:
+        """The PPOConfig of one cell: this task's ppo values (``overrides``: an arm's algorithm/group_size)."""
+        return PPOConfig(**{**self.ppo.model_dump(exclude={"kl", "seed"}), **overrides}, kl=kl, seed=seed)
 
 
 class MLflowParams(BaseModel):
@@ -353,7 +373,8 @@ class Params(BaseModel):
                 {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
             ]:
                 try:
-                    arm.kl(**kl)
+                    for section in self.tasks().values():
+                        section.ppo_config(arm.kl(**kl), 0, **arm.ppo_overrides())
                 except ValidationError as e:
                     raise ValueError(f"grid.arms.{name}: {_message(e.errors()[0])}") from None
         return self

@@ -49,6 +49,7 @@ class Cell:
     kl: KLConfig
     coef: float | None = None  # fixed cells
     kl_target: float | None = None  # matched cells
+    ppo: tuple[tuple[str, object], ...] = ()  # the task's ppo values this arm replaces (algorithm, group_size)
 
     @property
     def group(self) -> str:
@@ -79,11 +80,12 @@ def cells(params: Params) -> list[Cell]:
         for i in section.instances:
             out += [Cell(task, "baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
             for arm, spec in g.arms.items():
+                ppo = tuple(spec.ppo_overrides().items())
                 for coef in g.coefs:
-                    out += [Cell(task, "fixed", i, arm, s, spec.kl(coef), coef=coef) for s in g.seeds]
+                    out += [Cell(task, "fixed", i, arm, s, spec.kl(coef), coef=coef, ppo=ppo) for s in g.seeds]
                 for target in section.kl_targets:
                     kl = spec.kl(g.matched.init_coef, adaptive_target=target, horizon=g.matched.horizon)
-                    out += [Cell(task, "matched", i, arm, s, kl, kl_target=target) for s in g.seeds]
+                    out += [Cell(task, "matched", i, arm, s, kl, kl_target=target, ppo=ppo) for s in g.seeds]
     return out
 
 

@@ -35,6 +35,7 @@ from pipelines.common import (
     write_json,
 )
 from pipelines.plots import run_figure
+from rlhf.config import PPOConfig
 from rlhf.ppo import train_ppo
 
 
@@ -46,10 +47,11 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def cell_axes(cell: Cell) -> dict:
+def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     """What identifies a cell in summary.json, runs.csv and MLflow tags: task, kind, instance, seed, arm, its
-    strength (coef; kl_target for matched cells) and the arm's KL spec as flat fields."""
-    spec = cell.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
+    strength (coef; kl_target for matched cells), the algorithm and the arm's KL spec as flat fields."""
+    kl = cell.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
+    spec = {"algorithm": cfg.algorithm, "group_size": cfg.group_size, **kl}
     coef = cell.kl.coef if cell.kind != "baseline" else 0.0
     return {
         "task": cell.task,
@@ -71,8 +73,8 @@ def run_cell(params: Params, cell: Cell) -> dict:
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
     reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, ref, reward_model)  # the policy and value copies keep it
-    cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed)
-    axes = cell_axes(cell)
+    cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    axes = cell_axes(cell, cfg)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
         with tqdm(total=cfg.iterations, desc=cell.stage, leave=False) as bar:

@@ -1,56 +1,60 @@
-"""PPO for RLHF with every KL variant as a named option (Ziegler et al. 2019; Huang et al. 2024).
+"""PPO for RLHF and its critic-free relatives (GRPO, RLOO, REINFORCE++), with every KL variant as a named option.
 
-One iteration, as in openai/lm-human-preferences `train_policy.py` and Huang et al. 2024 (arXiv 2403.17031):
-    1. generate responses from the policy for a batch of prompts
-    2. log-probs of the responses under the policy and the reference; values
+One iteration of ``train_ppo``, as in openai/lm-human-preferences `train_policy.py` and Huang et al. 2024
+(arXiv 2403.17031):
+    1. generate responses from the policy (group_size per prompt)
+    2. log-probs under the policy (old, rollout-time) and the reference; exact KL to the reference; values
     3. score with the proxy reward model at the last response token
-    4. rewards: score at the last token, minus kl_coef * KL per token if the KL is in the reward
+    4. rewards: score at the last token, minus the reward-side KL per token (computed once per rollout)
     5. optionally whiten rewards
-    6. GAE advantages and returns, advantages whitened
-    7. epochs x minibatches of clipped policy + value updates, plus kl_coef * KL if the KL is in the loss
-The KL variant is chosen in ``KLConfig`` and applied only through ``rlhf.kl``.
+    6. advantages: the algorithm's one advantage function (``rlhf.algorithms``)
+    7. epochs x minibatches of clipped policy updates (+ value loss with a critic), plus the loss-side KL
+    8. coefficient controller fed with step 2's exact KL; moving reference; held-out evaluation
+How KL enters training is decided only in ``rlhf.kl``, the advantages only in ``rlhf.algorithms``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from rlhf import kl as K
+from rlhf.algorithms import ALGORITHMS, AdvantageParams, masked_whiten
 from rlhf.config import PPOConfig
+from rlhf.diagnostics import gradient_diagnostics
 from rlhf.evaluate import evaluate
 from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
 from rlhf.reward_model import score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over masked entries, (b, t). TRL `core.masked_whiten`; shift_mean=False keeps the mean."""
-    mean = K.masked_mean(x, mask)
-    var = K.masked_mean((x - mean).square(), mask)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
-    return out if shift_mean else out + mean
+class Trajectory(NamedTuple):
+    """One rollout (torchtune's ``Trajectory`` is the model). Logits are temperature-scaled."""
+
+    prompts: torch.Tensor  # (b, p)
+    responses: torch.Tensor  # (b, t)
+    mask: torch.Tensor  # (b, t) 1 up to and including EOS
+    logits: torch.Tensor  # (b, t, V) rollout policy pi_old (needed by the 'full' estimator)
+    logprobs: torch.Tensor  # (b, t)
+    ref_logits: torch.Tensor  # (b, t, V) the training reference (a moving copy with ref_sync_every)
+    ref_logprobs: torch.Tensor  # (b, t)
+    kl_to_ref: torch.Tensor  # (b,) exact sum_t KL(pi_old || pi_ref) to the frozen SFT reference
+    values: torch.Tensor | None  # (b, t) critic's values; None without a critic
+    scores: torch.Tensor | None  # (b,) proxy reward, set at step 3
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), (b, t) -> advantages, returns (b, t).
+class Batch(NamedTuple):
+    """Steps 4-6 on a trajectory."""
 
-        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = sum_{l >= 0} (gamma * lam)^l delta_{t+l},   R_t = A_t + V_t
-    Vectorised as A = delta @ D with D[s, t] = (gamma * lam)^(s - t) for s >= t (a (t, t) upper-triangular
-    discount matrix) instead of the usual reverse loop. Values past the last response token are masked to 0, so
-    the last token bootstraps from 0 and every delta in the padding is 0.
-    """
-    values = values * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # (b, t)
-    deltas = (rewards + gamma * next_values - values) * mask  # (b, t)
-    steps = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
-    lag = steps[:, None] - steps[None, :]  # (t, t): s - t
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
-    advantages = deltas @ discount  # (b, t)
-    return advantages * mask, (advantages + values) * mask
+    kl_reward: torch.Tensor | None  # (b, t) reward-side KL per unit coefficient; None without one
+    rewards: torch.Tensor  # (b, t)
+    advantages: torch.Tensor  # (b, t)
+    returns: torch.Tensor | None  # (b, t) value targets; None without a critic
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float):
@@ -81,14 +85,107 @@ def response_values(value_model: ScalarModel, prompts, responses) -> torch.Tenso
     return value_model(torch.cat([prompts, responses], dim=1))[:, prompts.shape[1] - 1 : -1]
 
 
-def advantages_and_returns(scores, kl_reward, kl_coef, values, mask, cfg: PPOConfig):
-    """Steps 4-6: rewards (score at the last token, KL penalty if in the reward), optional whitening, GAE."""
-    rewards = K.reward_penalty(kl_reward, kl_coef, mask) if kl_reward is not None else torch.zeros_like(values)
-    rewards = rewards.scatter_add(1, (mask.sum(1).long() - 1)[:, None], scores[:, None])  # (b, t)
+def draw_prompts(train_prompts: torch.Tensor, n: int, group_size: int, g: torch.Generator) -> torch.Tensor:
+    """n / group_size prompts drawn uniformly with replacement, each repeated group_size times in consecutive rows
+    (the groups of GRPO and RLOO): (n, p)."""
+    idx = torch.randint(0, len(train_prompts), (n // group_size,), generator=g, device=train_prompts.device)
+    return train_prompts[idx.repeat_interleave(group_size)]
+
+
+@torch.no_grad()
+def rollout(policy, ref_policy, train_ref, value_model, prompts, grammar: Grammar, temperature: float, g):
+    """Steps 1-2: sample responses to ``prompts`` (b, p), log-probs under the policy and the training reference,
+    the exact KL to the frozen reference ``ref_policy``, values. -> Trajectory without scores."""
+    responses = generate(policy, prompts, grammar.max_new_tokens, temperature, g, EOS)  # (b, t)
+    mask = response_mask(responses)  # (b, t)
+    logits = response_logits(policy, prompts, responses, temperature)  # (b, t, V)
+    logprobs = logprobs_from_logits(logits, responses)  # (b, t)
+    ref_logits = response_logits(train_ref, prompts, responses, temperature)
+    ref_logprobs = logprobs_from_logits(ref_logits, responses)
+    frozen_logits = (
+        ref_logits if train_ref is ref_policy else response_logits(ref_policy, prompts, responses, temperature)
+    )
+    kl_to_ref = K.sequence_kl(logits, frozen_logits, mask)  # (b,)
+    values = None if value_model is None else response_values(value_model, prompts, responses) * mask
+    return Trajectory(prompts, responses, mask, logits, logprobs, ref_logits, ref_logprobs, kl_to_ref, values, None)
+
+
+def rewards_and_advantages(traj: Trajectory, kl_reward, kl_coef: float, cfg: PPOConfig) -> Batch:
+    """Steps 4-6: rewards (score at the last token, minus the reward-side KL), optional whitening, advantages."""
+    reward_coef, _ = K.placement_coefs(cfg.kl, kl_coef)
+    mask = traj.mask
+    rewards = K.reward_penalty(kl_reward, reward_coef, mask) if kl_reward is not None else torch.zeros_like(mask)
+    rewards = rewards.scatter_add(1, (mask.sum(1).long() - 1)[:, None], traj.scores[:, None])  # (b, t)
     if cfg.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
-    advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    return rewards, masked_whiten(advantages, mask) * mask, returns
+    params = AdvantageParams(cfg.gamma, cfg.lam, cfg.group_size, normalize=True)
+    advantages, returns = ALGORITHMS[cfg.algorithm].advantages(rewards, traj.values, mask, params)
+    return Batch(kl_reward, rewards, advantages, returns)
+
+
+def step_kl_reward(traj: Trajectory, logprobs, logits, cfg: PPOConfig):
+    """The reward-side KL of ``traj`` with the policy side given by ``logprobs``/``logits`` (the rollout's at step 4;
+    the current policy's when ``reward_kl_remeasured``)."""
+    target_logprobs, target_logits = K.kl_target(cfg.kl, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
+    return K.reward_kl(cfg.kl, logprobs, target_logprobs, logits, target_logits, traj.mask)
+
+
+def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss_coef, cfg: PPOConfig):
+    """The loss of one minibatch ``mb`` (indices): clipped policy loss, value loss with a critic, loss-side KL.
+    Returns (loss, stats of tensors)."""
+    mask = traj.mask[mb]
+    new_logits = response_logits(policy, traj.prompts[mb], traj.responses[mb], cfg.temperature)
+    new_logprobs = logprobs_from_logits(new_logits, traj.responses[mb])
+    pg_loss, clipfrac, approxkl = policy_loss(
+        new_logprobs, traj.logprobs[mb], batch.advantages[mb], mask, cfg.cliprange
+    )
+    stats = {"pg_loss": pg_loss, "clipfrac": clipfrac, "approxkl": approxkl}
+    loss = pg_loss
+    if value_model is not None:
+        new_values = response_values(value_model, traj.prompts[mb], traj.responses[mb])
+        stats["vf_loss"] = value_loss(new_values, traj.values[mb], batch.returns[mb], mask, cfg.cliprange_value)
+        loss = pg_loss + cfg.vf_coef * stats["vf_loss"]
+    if loss_coef is not None:
+        kc = cfg.kl
+        target_logprobs, target_logits = K.kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
+        terms = K.loss_kl_terms(
+            kc, new_logprobs, traj.logprobs[mb], target_logprobs[mb], new_logits, target_logits[mb], mask
+        )
+        mode = K.aggregation_of(kc, "loss")
+        loss = loss + K.loss_penalty(terms, loss_coef, mask, mode)
+        stats["kl_loss"] = K.aggregate(terms.detach(), mask, mode)
+    return loss, stats
+
+
+def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cfg: PPOConfig, g, it, max_steps=None):
+    """Step 7: epochs x minibatches of updates on one batch. Returns (per-iteration means of the minibatch stats,
+    the batch last used: re-made before each later epoch when ``reward_kl_remeasured``). ``max_steps`` stops after
+    that many updates (gradient diagnostics)."""
+    _, loss_coef = K.placement_coefs(cfg.kl, kl_coef)
+    n_mb = cfg.batch_size // cfg.minibatch_size
+    stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
+    if value_model is None:
+        del stats["vf_loss"]
+    steps = 0
+    for epoch in range(cfg.epochs):
+        if epoch > 0 and K.reward_kl_remeasured(cfg.kl):
+            with torch.no_grad():
+                cur_logits = response_logits(policy, traj.prompts, traj.responses, cfg.temperature)
+                kl_reward = step_kl_reward(traj, logprobs_from_logits(cur_logits, traj.responses), cur_logits, cfg)
+                batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
+        perm = torch.randperm(cfg.batch_size, generator=g, device=traj.mask.device)
+        for mb in perm.view(n_mb, cfg.minibatch_size):
+            if max_steps is not None and steps == max_steps:
+                return stats, batch
+            loss, mb_stats = minibatch_loss(policy, value_model, traj, batch, mb, loss_coef, cfg)
+            check_finite("loss", loss, it)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            for k, v in mb_stats.items():
+                stats[k] += v.item() / (cfg.epochs * n_mb)
+    return stats, batch
 
 
 def train_ppo(
@@ -101,120 +198,71 @@ def train_ppo(
     cfg: PPOConfig,
     progress: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Runs PPO in place on ``policy``. Returns {"history": per-iteration dicts, "evals": held-out measurements
-    every ``eval_every`` iterations (and at 0 and the end), "summary": the final measurement}."""
+    """Runs ``cfg.algorithm`` in place on ``policy``. Returns {"history": per-iteration dicts, "evals": held-out
+    measurements every ``eval_every`` iterations (and at 0 and the end), "summary": the final measurement,
+    "diagnostics": gradient-diagnostic rows (empty unless ``cfg.diagnostics``)}."""
     kc = cfg.kl
     device = train_prompts.device
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    value_model = copy.deepcopy(reward_model)  # value model initialised from the reward model (Huang et al.)
-    params = list(policy.parameters()) + list(value_model.parameters())
+    critic = ALGORITHMS[cfg.algorithm].critic
+    value_model = copy.deepcopy(reward_model) if critic else None  # initialised from the RM (Huang et al.)
+    params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
     opt = torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
-    ctl = (
-        K.FixedKLController(kc.coef)
-        if kc.adaptive_target is None
-        else K.AdaptiveKLController(kc.coef, kc.adaptive_target, kc.horizon)
-    )
-    in_reward, in_loss = kc.placement in ("reward", "both"), kc.placement in ("loss", "both")
+    ctl = K.controller(kc)
+    train_ref = ref_policy if kc.ref_sync_every is None else copy.deepcopy(ref_policy)  # moving reference
     measure = lambda it: {
         "iteration": it,
         **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, cfg.temperature, cfg.eval_seed),
     }
-    history, evals = [], [measure(0)]
-    n_mb = cfg.batch_size // cfg.minibatch_size
+    history, evals, diagnostics = [], [measure(0)], []
+
+    def sample(pol, n, gen):  # steps 1-2 for n responses of ``pol``, for the gradient diagnostics
+        prompts = draw_prompts(train_prompts, n, cfg.group_size, gen)
+        return rollout(pol, ref_policy, train_ref, None, prompts, grammar, cfg.temperature, gen)
 
     for it in range(1, cfg.iterations + 1):
         kl_coef = ctl.value
-        # 1. generate
-        prompts = train_prompts[torch.randint(0, len(train_prompts), (cfg.batch_size,), generator=g, device=device)]
-        responses = generate(policy, prompts, grammar.max_new_tokens, cfg.temperature, g, EOS)  # (b, t)
-        mask = response_mask(responses)  # (b, t)
+        # 1-2. generate; log-probs under the policy (old) and the reference, exact KL to the reference; values
+        prompts = draw_prompts(train_prompts, cfg.batch_size, cfg.group_size, g)
+        traj = rollout(policy, ref_policy, train_ref, value_model, prompts, grammar, cfg.temperature, g)
+        # 3. score at the last response token
+        scores = score(reward_model, traj.prompts, traj.responses)  # (b,)
+        check_finite("scores", scores, it)
+        traj = traj._replace(scores=scores)
+        # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm
         with torch.no_grad():
-            # 2. log-probs under the policy (old, rollout-time) and the reference; values
-            logits = response_logits(policy, prompts, responses, cfg.temperature)  # (b, t, V)
-            logprobs = logprobs_from_logits(logits, responses)  # (b, t)
-            ref_logits = response_logits(ref_policy, prompts, responses, cfg.temperature)
-            ref_logprobs = logprobs_from_logits(ref_logits, responses)
-            values = response_values(value_model, prompts, responses) * mask  # (b, t)
-            # 3. score at the last response token
-            scores = score(reward_model, prompts, responses)  # (b,)
-            check_finite("scores", scores, it)
-            if kc.target == "reference":
-                target_logits, target_logprobs = ref_logits, ref_logprobs
-            else:  # old_policy: the rollout-time policy (lucidrains/PaLM-rlhf-pytorch)
-                target_logits, target_logprobs = logits, logprobs
-            kl_rollout = None
-            if kc.estimator is not None:
-                kl_rollout = K.kl_per_token(kc.estimator, logprobs, target_logprobs, logits, target_logits) * mask
-            # 4-6. rewards (KL if in reward), whitening, GAE
-            kl_reward = kl_rollout if in_reward else None
-            rewards, advantages, returns = advantages_and_returns(scores, kl_reward, kl_coef, values, mask, cfg)
-            check_finite("rewards", rewards, it)
-
-        # 7. epochs of clipped updates (KL if in loss)
-        stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
-        kl_reward_used = kl_reward.sum(1).mean().item() if kl_reward is not None else 0.0
-        for epoch in range(cfg.epochs):
-            if in_reward and kc.target == "old_policy" and epoch > 0:
-                # KL to the rollout policy is 0 at rollout; as PaLM-rlhf-pytorch 0.2 it is re-measured with the
-                # current policy and subtracted from the rewards before each later epoch (GAE re-run).
-                with torch.no_grad():
-                    cur_logits = response_logits(policy, prompts, responses, cfg.temperature)
-                    kl_reward = (
-                        K.kl_per_token(
-                            kc.estimator, logprobs_from_logits(cur_logits, responses), logprobs, cur_logits, logits
-                        )
-                        * mask
-                    )
-                    rewards, advantages, returns = advantages_and_returns(scores, kl_reward, kl_coef, values, mask, cfg)
-                    kl_reward_used = kl_reward.sum(1).mean().item()
-            perm = torch.randperm(cfg.batch_size, generator=g, device=device)
-            for mb in perm.view(n_mb, cfg.minibatch_size):
-                new_logits = response_logits(policy, prompts[mb], responses[mb], cfg.temperature)
-                new_logprobs = logprobs_from_logits(new_logits, responses[mb])
-                pg_loss, clipfrac, approxkl = policy_loss(
-                    new_logprobs, logprobs[mb], advantages[mb], mask[mb], cfg.cliprange
-                )
-                new_values = response_values(value_model, prompts[mb], responses[mb])
-                vf_loss = value_loss(new_values, values[mb], returns[mb], mask[mb], cfg.cliprange_value)
-                loss = pg_loss + cfg.vf_coef * vf_loss
-                if in_loss:
-                    kl_tok = K.kl_per_token(
-                        kc.estimator, new_logprobs, target_logprobs[mb], new_logits, target_logits[mb]
-                    )
-                    kl_term = K.loss_penalty(kl_tok, kl_coef, mask[mb])
-                    loss = loss + kl_term
-                    stats["kl_loss"] += K.masked_mean(kl_tok, mask[mb]).item() / (cfg.epochs * n_mb)
-                check_finite("loss", loss, it)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                for k, v in (
-                    ("pg_loss", pg_loss),
-                    ("vf_loss", vf_loss),
-                    ("clipfrac", clipfrac),
-                    ("approxkl", approxkl),
-                ):
-                    stats[k] += v.item() / (cfg.epochs * n_mb)
-
-        # Adaptive controller: fed the batch mean of the per-sequence summed estimator vs the reference.
-        if kl_rollout is not None:
-            ctl.update(kl_rollout.sum(1).mean().item(), cfg.batch_size)
+            kl_reward = step_kl_reward(traj, traj.logprobs, traj.logits, cfg)
+            batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
+        check_finite("rewards", batch.rewards, it)
+        if cfg.diagnostics is not None and it in cfg.diagnostics.at:  # on copies, with their own generator
+            updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, it=it)
+            diagnostics += gradient_diagnostics(
+                policy, value_model, opt, ref_policy, train_prompts, grammar, cfg, it, sample, updates
+            )
+        # 7. epochs x minibatches of clipped updates (loss-side KL)
+        stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, g, it)
+        # 8. controller on the exact KL of step 2; moving reference; evaluation
+        ctl.update(traj.kl_to_ref.mean().item(), cfg.batch_size)
+        if K.reference_due(kc, it):
+            K.sync_reference(train_ref, policy, kc.ref_sync_alpha)
+        kl_used = batch.kl_reward.sum(1).mean().item() if batch.kl_reward is not None else 0.0
         row = {
             "iteration": it,
             "kl_coef": kl_coef,
-            "kl_reward": kl_reward_used,
+            "kl_reward": kl_used,
             **stats,
+            "kl_exact": traj.kl_to_ref.mean().item(),
             "score": scores.mean().item(),
-            "gold_train": gold_reward(grammar, prompts, responses).mean().item(),
-            "length": mask.sum(1).mean().item(),
+            "gold_train": gold_reward(grammar, traj.prompts, traj.responses).mean().item(),
+            "length": traj.mask.sum(1).mean().item(),
         }
         history.append(row)
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             evals.append(measure(it))
         if progress is not None:
             progress(row)
-    return {"history": history, "evals": evals, "summary": final_summary(evals)}
+    return {"history": history, "evals": evals, "summary": final_summary(evals), "diagnostics": diagnostics}
 
 
 def final_summary(evals: list[dict]) -> dict:

@@ -129,6 +129,8 @@ def repo_params(overrides: dict | None = None) -> dict:
 
 # Test values for the fields a small run does not vary (params.yaml holds the pipeline's values).
 PPO_BASE = dict(
+    algorithm="ppo",
+    group_size=1,
     lr=1e-3,
     temperature=1.0,
     gamma=1.0,

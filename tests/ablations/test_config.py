@@ -38,7 +38,11 @@ BAD = [
         lambda p: p["grid"]["arms"]["reward_k1"].update(placement="rewrad"),
         "'reward', 'loss' or 'both'",
     ),
-    ("unknown estimator", lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"), "'k1', 'k2', 'k3' or 'full'"),
+    (
+        "unknown estimator",
+        lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"),
+        "'k1', 'k2', 'k3', 'full', 'k1+' or 'k3+'",
+    ),
     ("negative coefficient", lambda p: p["grid"].update(coefs=[-0.1]), "grid.coefs"),
     ("infinite coefficient", lambda p: p["grid"].update(coefs=[float("inf")]), "grid.coefs.0"),
     ("NaN coefficient", lambda p: p["grid"].update(coefs=[float("nan")]), "grid.coefs.0"),
@@ -49,13 +53,13 @@ BAD = [
     (
         "unknown key",
         lambda p: p["grammar"]["ppo"].update(learning_rate=1.0),
-        "unknown key 'grammar.ppo.learning_rate'; allowed: iterations",
+        "unknown key 'grammar.ppo.learning_rate'; allowed: algorithm, iterations",
     ),
     ("unknown section", lambda p: p.update(ppo2={}), "unknown key 'ppo2'; allowed: grammar, grid"),
     (
         "unknown arm key",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimatr="k3"),
-        "unknown key 'grid.arms.loss_k3.estimatr'; allowed: target, placement, estimator",
+        "unknown key 'grid.arms.loss_k3.estimatr'; allowed: target, placement, estimator, adaptive_target",
     ),
     (
         "placement none as an arm",

@@ -1,4 +1,5 @@
 import copy
+import itertools
 import math
 
 import pytest
@@ -7,9 +8,10 @@ from pydantic import ValidationError
 
 from rlhf import kl as K
 from rlhf import ppo
+from rlhf.algorithms import gae, masked_whiten
 from rlhf.config import KLConfig
 from rlhf.model import logprobs_from_logits, response_logits
-from rlhf.ppo import advantages_and_returns, gae, masked_whiten, policy_loss, value_loss
+from rlhf.ppo import Trajectory, policy_loss, rewards_and_advantages, value_loss
 
 from ..conftest import KL_BASE, small_ppo_config
 
@@ -167,25 +169,37 @@ def test_ppo_config_requires_minibatch_to_divide_batch():
         small_ppo_config(batch_size=8, minibatch_size=3)
 
 
-# --- advantages_and_returns -----------------------------------------------------------------------------------------
+# --- rewards_and_advantages -----------------------------------------------------------------------------------------
 
 
-def test_advantages_and_returns_reward_side_kl_adds_minus_coef_k():
+def _trajectory(scores, values, mask):
+    """A Trajectory with only what steps 4-6 read (scores, values, mask); log-probs are placeholders."""
+    b, t = mask.shape
+    zeros, logits = torch.zeros(b, t), torch.zeros(b, t, 3)
+    return Trajectory(None, None, mask, logits, zeros, logits, zeros, torch.zeros(b), values, scores)
+
+
+def test_rewards_and_advantages_reward_side_kl_adds_minus_coef_k():
     g = torch.Generator().manual_seed(3)
     mask = _suffix_mask([6, 2, 4], 6).float()
     scores = torch.tensor([1.0, -2.0, 0.5])
     values = torch.randn(3, 6, generator=g) * mask
     kl = torch.randn(3, 6, generator=g) * mask
     cfg = small_ppo_config(gamma=1.0, lam=0.95)
-    rewards_none, adv_none, _ = advantages_and_returns(scores, None, 0.3, values, mask, cfg)
-    rewards_kl, adv_kl, _ = advantages_and_returns(scores, kl, 0.3, values, mask, cfg)
+    traj = _trajectory(scores, values, mask)
+    batch_none = rewards_and_advantages(traj, None, 0.3, cfg)
+    batch_kl = rewards_and_advantages(traj, kl, 0.3, cfg)
     # no KL: the score sits at the last response token and nowhere else
     expected = torch.zeros(3, 6)
     expected[0, 5], expected[1, 1], expected[2, 3] = 1.0, -2.0, 0.5
-    assert torch.equal(rewards_none, expected)
-    torch.testing.assert_close(rewards_kl - rewards_none, -0.3 * kl * mask, atol=1e-6, rtol=0)
-    assert not torch.allclose(adv_kl, adv_none)
-    assert ((adv_kl * (1 - mask)) == 0).all()
+    assert torch.equal(batch_none.rewards, expected)
+    torch.testing.assert_close(batch_kl.rewards - batch_none.rewards, -0.3 * kl * mask, atol=1e-6, rtol=0)
+    assert not torch.allclose(batch_kl.advantages, batch_none.advantages)
+    assert ((batch_kl.advantages * (1 - mask)) == 0).all()
+    # ppo: GAE then whitened advantages; returns are the value targets
+    adv, ret = gae(batch_kl.rewards, values, mask, 1.0, 0.95)
+    torch.testing.assert_close(batch_kl.advantages, masked_whiten(adv, mask) * mask)
+    torch.testing.assert_close(batch_kl.returns, ret)
 
 
 # --- train_ppo ------------------------------------------------------------------------------------------------------
@@ -203,8 +217,10 @@ def run_none(run_ppo):
 
 
 @pytest.mark.parametrize("target", ["reference", "old_policy"])
-@pytest.mark.parametrize("estimator", K.ESTIMATORS)
-@pytest.mark.parametrize("placement", ["reward", "loss", "both"])
+@pytest.mark.parametrize(
+    "placement, estimator",  # a straight-through estimator in the reward alone is refused (it is the plain one)
+    [(p, e) for p in ("reward", "loss", "both") for e in K.ESTIMATORS if not (p == "reward" and e.endswith("+"))],
+)
 def test_zero_coef_gives_same_trajectory_as_no_kl(run_ppo, run_none, placement, estimator, target):
     out = run_ppo(kl=dict(placement=placement, estimator=estimator, target=target, coef=0.0))
     assert _without_diagnostics(out["history"]) == _without_diagnostics(run_none["history"])
@@ -238,22 +254,24 @@ def test_placement_selects_penalty_functions(run_ppo, monkeypatch, placement, re
 
 
 def _run_recording(run_ppo, monkeypatch, **overrides):
-    """Runs train_ppo recording the training rollouts (prompts, responses) and each advantages_and_returns call."""
+    """Runs train_ppo recording the training rollouts (prompts, responses) and each rewards_and_advantages call."""
     rollouts, aar_calls = [], []
-    original_generate, original_aar = ppo.generate, ppo.advantages_and_returns
+    original_generate, original_aar = ppo.generate, ppo.rewards_and_advantages
 
     def generate(model, prompts, *args, **kwargs):
         responses = original_generate(model, prompts, *args, **kwargs)
         rollouts.append((prompts.clone(), responses.clone()))
         return responses
 
-    def aar(scores, kl_reward, kl_coef, values, mask, cfg):
-        out = original_aar(scores, kl_reward, kl_coef, values, mask, cfg)
-        aar_calls.append(dict(scores=scores, mask=mask, values=values, rewards=out[0], advantages=out[1]))
+    def aar(traj, kl_reward, kl_coef, cfg):
+        out = original_aar(traj, kl_reward, kl_coef, cfg)
+        aar_calls.append(
+            dict(scores=traj.scores, mask=traj.mask, values=traj.values, rewards=out.rewards, advantages=out.advantages)
+        )
         return out
 
     monkeypatch.setattr(ppo, "generate", generate)
-    monkeypatch.setattr(ppo, "advantages_and_returns", aar)
+    monkeypatch.setattr(ppo, "rewards_and_advantages", aar)
     out = run_ppo(**overrides)
     monkeypatch.undo()
     return out, rollouts, aar_calls
@@ -366,3 +384,37 @@ def test_old_policy_kl_in_reward_is_zero_at_rollout_and_measured_in_later_epochs
     two_epochs = run_ppo(kl=kl, epochs=2)["history"]
     assert all(row["kl_reward"] == 0.0 for row in one_epoch)
     assert all(row["kl_reward"] > 0.0 for row in two_epochs)
+
+
+def test_adaptive_controller_is_fed_the_exact_kl_of_the_rollout(run_ppo, ppo_setup, monkeypatch):
+    """kl_exact = mean_b sum_t KL(pi_old || pi_ref) over the vocabulary, recomputed here independently; the first
+    update uses it (not the arm's k3 estimate), with a target that leaves the error unclipped."""
+    fixed, rollouts, _ = _run_recording(run_ppo, monkeypatch, kl=dict(placement="loss", estimator="k3", coef=0.1))
+    prompts, responses = rollouts[0]
+    with torch.no_grad():
+        logits = response_logits(ppo_setup.policy, prompts, responses, 1.0)
+        ref_logits = response_logits(ppo_setup.ref, prompts, responses, 1.0)
+    mask = ppo.response_mask(responses)
+    exact = (K.full_kl(logits, ref_logits) * mask).sum(1).mean().item()
+    lp, ref_lp = logprobs_from_logits(logits, responses), logprobs_from_logits(ref_logits, responses)
+    k3_sum = (K.kl_per_token("k3", lp, ref_lp) * mask).sum(1).mean().item()
+    assert fixed["history"][0]["kl_exact"] == pytest.approx(exact, rel=1e-5)
+    assert abs(k3_sum - exact) > 1e-3 * exact  # the estimator's sum is a different number
+    target = 1.1 * exact
+    out = run_ppo(kl=dict(placement="loss", estimator="k3", coef=0.1, adaptive_target=target, horizon=100))
+    error = exact / target - 1.0  # -0.0909, inside the clip
+    assert out["history"][1]["kl_coef"] == pytest.approx(0.1 * (1 + error * 8 / 100), rel=1e-5)
+
+
+@pytest.mark.parametrize("algorithm, group_size", [("ppo", 1), ("grpo", 2)])
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_adaptive_controller_steers_the_coefficient_within_a_run(run_ppo, algorithm, group_size, direction):
+    """With a small horizon (40 episodes for batches of 8, as a few hundred for batches of 64 in params.yaml) the
+    coefficient moves every iteration, up when the KL is above the target, down when below."""
+    target = 1e-3 if direction == "up" else 1e3
+    kl = dict(placement="reward", estimator="k1", coef=0.1, adaptive_target=target, horizon=40)
+    coefs = [
+        row["kl_coef"] for row in run_ppo(iterations=4, algorithm=algorithm, group_size=group_size, kl=kl)["history"]
+    ]
+    steps = [b / a for a, b in itertools.pairwise(coefs)]
+    assert steps == pytest.approx([1.04] * 3 if direction == "up" else [0.96] * 3, rel=1e-9)
