@@ -25,13 +25,17 @@ Tokens after the first EOS are ignored. A well-formed answer with a wrong value 
 (e.g. without the leading zero) is wrong but not malformed. The primary metric is accuracy = mean correct.
 
 Demonstrations (the SFT data) are only partly correct. They are computed digit by digit, least significant
-first, like written arithmetic, and every carry (addition) or borrow (subtraction) that the correct
-computation produces is dropped independently with probability ``carry_drop`` (the classic "forgot to carry"
-slip); later digits are computed consistently with the dropped carry. A demonstration for a problem whose
-correct computation has C carries/borrows (the final carry into digit n included) is therefore correct with
-probability exactly (1 - carry_drop)^C, and a wrong one is always well formed. A policy that imitated the
+first, like written arithmetic, and every carry (addition) or borrow (subtraction) the computation produces
+is dropped independently with probability ``carry_drop`` (the classic "forgot to carry" slip); later digits are
+computed with the dropped carry (a drop can remove later carries, never add one). Any drop changes the next
+digit, so a demonstration for a problem whose correct computation has C carries/borrows (the final carry into
+digit n included) is correct with probability exactly (1 - carry_drop)^C, and a wrong one is always well
+formed. A policy that imitated the
 demonstrations perfectly would be correct with that probability when sampled at temperature 1: the room RL has
 to improve is to learn never to drop a carry. A share ``sub_fraction`` of the demonstrations are subtractions.
+Over uniform 3-digit operands E[C] = 1.44 for addition and 0.89 for subtraction (a >= b: at most 2 borrows), so
+with carry_drop = 0.4 a perfect imitator is right on E[0.6^C] = 53.3% of additions and 67.9% of subtractions,
+and 39.4% of an even mix of demonstrations are wrong (enumerated over all 10^6 pairs).
 
 Splits. Every unordered operand pair {a, b} belongs to one of three disjoint pools, by a seeded hash
 (``split_seed``) of the pair: 'eval' (share ``eval_fraction``), 'rl' (``rl_fraction``) and 'sft' (the rest).
@@ -185,8 +189,10 @@ class Arithmetic:
         return (a - DIGIT0).flip(1), (b - DIGIT0).flip(1), op == MINUS
 
     def _respond(self, prompts: torch.Tensor, drops: torch.Tensor) -> torch.Tensor:
-        """Written arithmetic, LSB first; a carry/borrow the correct computation makes is dropped where ``drops``
-        (m, n + 1) is True (column i: the carry out of digit i). Returns (m, max_new_tokens) responses."""
+        """Written arithmetic, LSB first: the carry/borrow out of digit i is dropped where ``drops[:, i]`` is True.
+
+        drops (m, n + 1); column n is never used (nothing carries out of the padding digit).
+        Returns (m, max_new_tokens) responses."""
         a, b, minus = self.decode(prompts)
         m = prompts.shape[0]
         sign = torch.where(minus, -1, 1)  # (m,)
