@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,11 +112,13 @@ def verifier_ppo(task: Arithmetic, ood_prompts: torch.Tensor):
         yield
 
 
-def run_sft(task: Arithmetic, data: dict, device) -> tuple[TinyLM, float, list[float]]:
+def run_sft(task: Arithmetic, data: dict, device) -> tuple[TinyLM, dict[str, float], list[float]]:
+    """SFT at the suggested size; returns the model, {"wall": s, "cpu": s} and the per-step losses (CPU time of
+    this process is what one thread costs when the machine is shared; wall time includes waiting for a core)."""
     torch.manual_seed(SFT["seed"])
     model = TinyLM(task.vocab_size, task.prompt_len + task.max_new_tokens, **MODEL).to(device)
     g = torch.Generator(device=device).manual_seed(SFT["seed"])
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     losses = train_sft(
         model,
         data["demo_prompts"].to(device),
@@ -125,7 +128,8 @@ def run_sft(task: Arithmetic, data: dict, device) -> tuple[TinyLM, float, list[f
         SFT["lr"],
         g,
     )
-    return model.eval(), time.perf_counter() - start, losses
+    seconds = {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}
+    return model.eval(), seconds, losses
 
 
 def main() -> None:
@@ -153,6 +157,7 @@ def main() -> None:
         "ppo_overrides": PPO_OVERRIDES,
         "sft_seconds": sft_seconds,
         "sft_threads": torch.get_num_threads(),
+        "load_average_after_sft": list(os.getloadavg()),
         "sft_final_loss": sum(losses[-100:]) / 100,
         "sft_eval": measure(task, sft, sft, ev, temperature, eval_seed),
         "sft_ood": measure(task, sft, sft, ood, temperature, eval_seed),
@@ -166,7 +171,7 @@ def main() -> None:
         for seed in args.seeds:
             torch.manual_seed(seed)
             value_init = ScalarModel(copy.deepcopy(sft))  # fresh scalar head on the SFT backbone
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             with verifier_ppo(task, ood):
                 out = ppo.train_ppo(
                     copy.deepcopy(sft),
@@ -178,7 +183,7 @@ def main() -> None:
                     PPOConfig(**{**params.ppo.model_dump(exclude={"kl", "seed"}), **PPO_OVERRIDES}, kl=kl, seed=seed),
                 )
             result["ppo"].setdefault(name, {})[str(seed)] = {
-                "seconds": time.perf_counter() - start,
+                "seconds": {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu},
                 "evals": out["evals"],
             }
             first, last = out["evals"][0], out["evals"][-1]
