@@ -90,7 +90,7 @@ class Arithmetic:
     reward: ClassVar[str] = "verifier"  # PPO scores with ``gold`` itself, not with a learned reward model
 
     def __post_init__(self):
-        if not 1 <= self.n_digits <= 4:  # the pool hash needs pair keys below 2^31
+        if not 1 <= self.n_digits <= 4:  # pool(): c1 * key < 2^63 needs pair keys below 2^32
             raise ValueError(f"n_digits must be 1..4 (got {self.n_digits})")
         if self.max_new_tokens < self.n_digits + 2:
             raise ValueError(
@@ -141,12 +141,15 @@ class Arithmetic:
             a = torch.randint(0, hi, (2 * n,), generator=generator)
             b = torch.randint(0, hi, (2 * n,), generator=generator)
             keep = self.pool(a, b) == want
-            a_out.append(a[keep]), b_out.append(b[keep])
+            a_out.append(a[keep])
+            b_out.append(b[keep])
             have += int(keep.sum())
         return torch.cat(a_out)[:n], torch.cat(b_out)[:n]
 
     def sample_prompts(self, split: Split, n: int, generator: torch.Generator) -> torch.Tensor:
-        """n prompts of a split ('train', 'eval', 'ood'; see the module docstring) -> (n, prompt_len) long."""
+        """n prompts of a split ('train', 'eval', 'ood'; see the module docstring) -> (n, prompt_len) long.
+
+        Drawn with a CPU ``generator``, returned on the CPU (as are ``demonstrations``); the caller moves them."""
         if split not in ("train", "eval", "ood"):
             raise ValueError(f"split must be 'train', 'eval' or 'ood' (got {split!r})")
         a, b = self._pairs("rl" if split == "train" else "eval", n, generator)
