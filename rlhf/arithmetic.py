@@ -53,6 +53,13 @@ OOD accuracy during RL measures what the policy keeps (or gains by transfer: "ne
 over to borrows). No OOD prompt is a training prompt of either stage: its operator is '-' (RL sees only '+')
 and its pair is in the 'eval' pool (SFT sees only 'sft' pairs).
 
+Calibration (benchmarks/arithmetic_calibration.py, n_digits 3, carry_drop 0.4, 20000 demonstrations; TinyLM
+d_model 64, 2 layers, 4 heads; 3000 SFT steps of batch 64 at lr 3e-3, 72 s of CPU on one thread): SFT samples
+are right on 48.8% of held-out additions and 62.5% of subtractions (a perfect imitator: 52.3% and 68.4% on the
+same prompts). The documented band, asserted by the slow test, is 35-65% in domain and 40-80% out of domain.
+Sixty PPO iterations scored by the verifier raise in-domain accuracy to 0.85-0.95 on every seed tried, while
+out-of-domain accuracy falls to 0.55-0.58.
+
 Everything is a pure function of the arguments and an explicit ``torch.Generator``; tensors are long, prompts
 (b, prompt_len), responses (b, max_new_tokens), on the device of the inputs.
 """
