@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pipelines import cpu
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Grammar
 
@@ -22,9 +23,16 @@ THREADS_ENV = "RLHF_THREADS"
 
 
 def setup() -> torch.device:
-    """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1)."""
+    """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1), on the pinned CPU code path.
+
+    Deterministic algorithms stay on; filling new memory with NaN (a debugging aid of deterministic mode, ~5,000
+    fill_ calls per PPO iteration) is off: every tensor the code reads it has written first, and two runs with
+    the same seed are bit-identical (tests/test_determinism.py). ``cpu.check`` fails if the CPU pin did not take
+    effect (torch imported before pipelines) and warns if this CPU cannot follow it."""
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    cpu.check()
     return default_device()
 
 

@@ -22,7 +22,7 @@ import torch
 from rlhf import kl as K
 from rlhf.config import PPOConfig
 from rlhf.evaluate import evaluate
-from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
+from rlhf.model import ScalarModel, TinyLM, adam, generate, logprobs_from_logits, response_logits
 from rlhf.reward_model import score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
 
@@ -109,7 +109,7 @@ def train_ppo(
     torch.manual_seed(cfg.seed)
     value_model = copy.deepcopy(reward_model)  # value model initialised from the reward model (Huang et al.)
     params = list(policy.parameters()) + list(value_model.parameters())
-    opt = torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
+    opt = adam(params, lr=cfg.lr, eps=1e-5)
     ctl = (
         K.FixedKLController(kc.coef)
         if kc.adaptive_target is None
