@@ -13,7 +13,8 @@ least. The baseline is ``git archive <commit>`` unpacked in a temporary director
 processes (PYTHONPATH); both trees get the same resolved configuration (read here, from this tree's
 params.yaml). Models are seeded fresh initialisations, not trained ones: every tensor shape of a PPO iteration is
 fixed (responses are padded to max_new_tokens), so the cost does not depend on the weights.
-``--profile`` adds one torch.profiler run per tree (pinned): aten calls per iteration and the top operators.
+``--profile`` adds two torch.profiler runs, before (baseline, unpinned) and after (this tree, pinned): aten calls
+per iteration (all, and top-level ones: those not called by another aten op) and the operators by self CPU time.
 Results: stdout and benchmarks/out/bench_ppo.json (git-ignored); no tracked file is written.
 """
 
@@ -116,15 +117,16 @@ def child(workload: dict, profile: bool) -> dict:
 
 def profile_summary(prof, iterations: int) -> dict:
     ev = prof.key_averages()
-    aten = [e for e in ev if e.key.startswith("aten::")]
+    aten = lambda name: name.startswith("aten::")
+    top_level = [e for e in prof.events() if aten(e.name) and not (e.cpu_parent and aten(e.cpu_parent.name))]
     total = sum(e.self_cpu_time_total for e in ev)
-    top = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
     return {
-        "aten_calls_per_iteration": sum(e.count for e in aten) / iterations,
-        "calls_per_iteration": {k: sum(e.count for e in aten if e.key == k) / iterations for k in ("aten::fill_",)},
+        "aten_calls_per_iteration": sum(e.count for e in ev if aten(e.key)) / iterations,
+        "aten_top_level_calls_per_iteration": len(top_level) / iterations,
+        "fill_calls_per_iteration": sum(e.count for e in ev if e.key == "aten::fill_") / iterations,
         "top_self_cpu": [
-            {"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_iteration": e.count / iterations}
-            for e in top
+            {"op": e.key, "share": round(e.self_cpu_time_total / total, 4), "calls_per_iteration": e.count / iterations}
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
         ],
     }
 
@@ -180,9 +182,8 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-        profiles = (
-            {t: run_child(trees[t], True, workload, profile=True)["profile"] for t in trees} if args.profile else {}
-        )
+        before_after = {"baseline pin off": ("baseline", False), "new pin on": ("new", True)} if args.profile else {}
+        profiles = {n: run_child(trees[t], p, workload, profile=True)["profile"] for n, (t, p) in before_after.items()}
     result = summarise(runs, workload, args.baseline, args.repeats)
     result["profiles"] = profiles
     OUT.parent.mkdir(parents=True, exist_ok=True)

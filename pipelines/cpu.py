@@ -4,13 +4,19 @@ Three libraries do a stage's float math on the CPU and each picks its code path 
 own kernels (LayerNorm, softmax, reductions, Adam) by "CPU capability" (AVX-512, AVX2 or default), MKL (every
 matmul) by its dispatcher, oneDNN (GELU) by its JIT. The vector width changes the order of float sums, so an
 AVX-512 machine and an AVX2 machine round differently, and PPO turns a last-bit difference into a different run
-(issue 8, item 1). ``pin`` fixes all three to AVX2, the newest instruction set every such machine has:
+(issue 8, item 1). ``pin`` caps all three at AVX2, the newest instruction set every such machine has:
 
     ATEN_CPU_CAPABILITY=avx2    ATen's DispatchStub (aten/src/ATen/native/DispatchStub.cpp, compute_cpu_capability:
                                 read once, at the first dispatched kernel; not checked against the CPU, so it is
                                 set only where /proc/cpuinfo lists avx2 and fma)
-    MKL_CBWR=AVX2,STRICT        MKL's conditional numerical reproducibility: the AVX2 code branch, results
-                                independent of data alignment (oneMKL developer guide, "Specifying code branches")
+    MKL_CBWR=AVX2               MKL's conditional numerical reproducibility (oneMKL developer guide, "Specifying
+                                code branches"): the AVX2 code branch with fixed cache sizes and reductions. Not
+                                STRICT (alignment-independent, ~10% more per matmul): torch's allocator aligns every
+                                buffer to 64 bytes, so each operand's alignment is the same on every machine
+    MKL_ENABLE_INSTRUCTIONS=AVX2  MKL's dispatcher itself capped at AVX2: with the dispatcher told the CPU is a
+                                Skylake-SP (MKL_ENABLE_INSTRUCTIONS=AVX512), MKL 2024.2 keeps AVX-512 kernels for
+                                edge-sized products (e.g. 15x16x15, 512x64x1) despite CNR's AVX2 branch
+                                (benchmarks/cross_machine.py shows the different bits)
     ONEDNN_MAX_CPU_ISA=AVX2     oneDNN's JIT ISA limit (oneDNN docs, "CPU dispatcher control")
 
 The libraries read them when they first run, so they must be in the environment before torch is imported:
@@ -31,8 +37,13 @@ import warnings
 from pathlib import Path
 
 PIN_ENV = "RLHF_CPU_PIN"  # "on" (the default) or "off"
-PIN = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-EXPECTED = {"aten_cpu_capability": "AVX2", "mkl_cbwr": "AVX2,STRICT"}  # what settings() reports when it held
+PIN = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+EXPECTED = {"aten_cpu_capability": "AVX2", "mkl_cbwr": "AVX2"}  # what settings() reports when it held
 
 # oneMKL mkl_service.h: MKL_CBWR_* branch values; MKL_CBWR_STRICT is a flag bit.
 _MKL_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX"}
@@ -71,7 +82,7 @@ def pin() -> None:
 
 
 def _mkl_cbwr() -> str:
-    """MKL's conditional-reproducibility mode in effect, e.g. 'OFF', 'AVX2,STRICT'; 'unknown' without MKL."""
+    """MKL's conditional-reproducibility mode in effect, e.g. 'OFF', 'AVX2', 'AVX2,STRICT'; 'unknown' without MKL."""
     import torch
 
     try:  # mkl_cbwr_get's implementation, exported by the MKL that the CPU wheel links statically
@@ -101,6 +112,7 @@ def settings() -> dict[str, str]:
         "cpu_pin": "on" if pinned() else "off",
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl_cbwr": _mkl_cbwr(),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "unset"),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
         "torch_threads": str(torch.get_num_threads()),
         "torch": torch.__version__,

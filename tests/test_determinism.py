@@ -126,21 +126,19 @@ def test_pin_sets_the_variables_only_before_torch_and_when_on(monkeypatch):
     assert not any(k in os.environ for k in cpu.PIN)
     monkeypatch.setenv(cpu.PIN_ENV, "on")
     cpu.pin()
-    assert (
-        {k: os.environ[k] for k in cpu.PIN}
-        == cpu.PIN
-        == {
-            "ATEN_CPU_CAPABILITY": "avx2",
-            "MKL_CBWR": "AVX2,STRICT",
-            "ONEDNN_MAX_CPU_ISA": "AVX2",
-        }
-    )
+    assert {k: os.environ[k] for k in cpu.PIN} == cpu.PIN
+    assert cpu.PIN == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
 def test_pin_leaves_aten_alone_on_a_cpu_without_avx2(monkeypatch):
     """ATen would take ATEN_CPU_CAPABILITY=avx2 on trust and die of an illegal instruction."""
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"sse2", "avx"})
-    assert cpu.pin_env() == {"MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert cpu.pin_env() == {"MKL_CBWR": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def test_check_fails_when_torch_came_first_and_reports_when_off(monkeypatch):
@@ -193,16 +191,15 @@ def run_tiny(env: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (HAS_AVX2 and HAS_AVX512), reason="needs an AVX-512 CPU to emulate an AVX2 one")
-def test_pin_gives_an_avx2_machine_the_same_bits_and_unpinned_it_differs():
-    emulated_avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+def test_pinned_this_machine_computes_what_an_avx2_machine_computes_and_unpinned_it_does_not():
+    avx2_machine = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     pinned_here = run_tiny({})
-    pinned_avx2 = run_tiny({"MKL_ENABLE_INSTRUCTIONS": "AVX2"})  # the pin caps ATen and oneDNN itself
     free_here = run_tiny({cpu.PIN_ENV: "off"})
-    free_avx2 = run_tiny({cpu.PIN_ENV: "off", **emulated_avx2})
-    want = {"cpu_pin": "on", "aten_cpu_capability": "AVX2", "mkl_cbwr": "AVX2,STRICT", "onednn_max_cpu_isa": "AVX2"}
+    free_avx2 = run_tiny({cpu.PIN_ENV: "off", **avx2_machine})
+    want = {"cpu_pin": "on", "aten_cpu_capability": "AVX2", "mkl_cbwr": "AVX2", "onednn_max_cpu_isa": "AVX2"}
     assert {k: pinned_here["settings"][k] for k in want} == want
     assert free_here["settings"]["aten_cpu_capability"] == "AVX512" and free_here["settings"]["mkl_cbwr"] == "OFF"
-    assert pinned_here["bytes"] == pinned_avx2["bytes"] and pinned_here["loss"] == pinned_avx2["loss"]
+    assert pinned_here["bytes"] == free_avx2["bytes"] and pinned_here["loss"] == free_avx2["loss"]
     assert free_here["bytes"] != free_avx2["bytes"]  # what the pin is for: unpinned, the two machines differ
 
 
