@@ -22,8 +22,9 @@ mode fixes; oneDNN is used only for the elementwise GELU).
 Every configuration runs the pipeline's own code at reduced length (params.yaml with the step counts below): data,
 SFT and reward model (build_upstream) and one PPO run of the reference arm at its middle coefficient
 (train_ppo), and reports to full precision the SFT held-out NLL, the reward model's held-out accuracy and
-correlations with gold, the PPO run's final held-out metrics, and a hash of the final policy weights. Prints a
-table; writes benchmarks/out/cross_machine.json (git-ignored).
+correlations with gold, the PPO run's final held-out metrics, and a hash of the final policy weights. ``--full``
+runs params.yaml's full lengths for three rows (this machine and the AVX2 machine unpinned, pinned): how far
+apart the machines end. Prints a table; writes benchmarks/out/cross_machine[_full].json (git-ignored).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "out" / "cross_machine.json"
+OUT = ROOT / "benchmarks" / "out"
 REDUCED = {"sft": {"steps": 300}, "rm": {"steps": 300}, "ppo": {"iterations": 20}}  # SFT/RM: 800, PPO: 60
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 CASCADE_LAKE = {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}
@@ -55,11 +56,12 @@ CONFIGS = {  # name: (pinned, environment)
     "pinned (any of these machines)": (True, {}),
     "pinned, again": (True, {}),
 }
+FULL_ROWS = ("this machine, unpinned", "AVX2 machine, unpinned", "pinned (any of these machines)")
 LIBRARY_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
-def child() -> dict:
-    """The reduced pipeline in this process, under whatever the environment caps."""
+def child(full: bool) -> dict:
+    """The (reduced, unless ``full``) pipeline in this process, under whatever the environment caps."""
     import pipelines  # noqa: F401  (pins the CPU math unless RLHF_CPU_PIN=off)
 
     # isort: split
@@ -76,7 +78,8 @@ def child() -> dict:
 
     device = setup()
     p = load_params()
-    p = p.model_copy(update={k: getattr(p, k).model_copy(update=v) for k, v in REDUCED.items()})
+    if not full:
+        p = p.model_copy(update={k: getattr(p, k).model_copy(update=v) for k, v in REDUCED.items()})
     task, grammar, sft_model, reward_model, metrics = build_upstream(p, device)
     mid = p.grid.coefs[len(p.grid.coefs) // 2]
     cell = next(c for c in cells(p) if c.arm == p.analysis.reference_arm and c.coef == mid)
@@ -108,13 +111,13 @@ def child() -> dict:
     }
 
 
-def run(pinned: bool, extra: dict) -> dict:
+def run(pinned: bool, extra: dict, full: bool) -> dict:
     from pipelines.cpu import PIN, PIN_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in (*PIN, *LIBRARY_ENV, PIN_ENV)}
     env |= extra | {"PYTHONPATH": str(ROOT), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
     env["TQDM_DISABLE"] = "1"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + ["--full"] * full
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         sys.exit(f"configuration {extra} (pinned={pinned}) failed:\n{proc.stderr[-3000:]}")
@@ -138,18 +141,21 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="params.yaml's full lengths, for the three key rows only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child()))
+        print(json.dumps(child(args.full)))
         return
     sys.path.insert(0, str(ROOT))
+    configs = {k: CONFIGS[k] for k in FULL_ROWS} if args.full else CONFIGS
     results = {}
-    for name, (pinned, extra) in CONFIGS.items():
-        results[name] = run(pinned, extra)
+    for name, (pinned, extra) in configs.items():
+        results[name] = run(pinned, extra, args.full)
         print(f"  {name}: SFT NLL {results[name]['sft heldout_nll']!r}", file=sys.stderr, flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"reduced": REDUCED, "results": results}, indent=2) + "\n")
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / f"cross_machine{'_full' * args.full}.json"
+    out.write_text(json.dumps({"reduced": None if args.full else REDUCED, "results": results}, indent=2) + "\n")
     print(table(results))
 
 
