@@ -175,7 +175,8 @@ for _ in range(3):
     opt.zero_grad()
     loss.backward()
     opt.step()
-print(json.dumps({"settings": settings(), "loss": loss.item(), "bytes": model.head.weight.detach().numpy().tobytes().hex()}))
+weights = model.head.weight.detach().numpy().tobytes().hex()
+print(json.dumps({"settings": settings(), "loss": loss.item(), "bytes": weights}))
 """
 
 
