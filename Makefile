@@ -38,8 +38,8 @@ ui: install                  ## browse runs at http://127.0.0.1:5000; prints the
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db \
 	  --host 127.0.0.1 --port 5000 --workers 1
 
-bench: install               ## PPO speed benchmark (median of several runs)
-	$(PY) benchmarks/bench_ppo.py
+bench: install               ## PPO speed: this tree vs the pre-speed-up baseline, CPU pin off/on (-> benchmarks/out/)
+	$(PY) benchmarks/bench_ppo.py --profile
 
 figure: install              ## the over-optimisation figure in docs/
 	$(PY) benchmarks/overoptimisation.py

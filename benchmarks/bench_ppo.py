@@ -1,89 +1,246 @@
-"""PPO speed on one CPU thread: median of several runs, for the default params.yaml.
+"""PPO speed of this tree against a baseline commit, in one benchmark run, with and without the CPU pin.
 
-    python benchmarks/bench_ppo.py [--repeats 3]
+    python benchmarks/bench_ppo.py [--repeats 3] [--baseline aa745cb] [--profile]
 
-Reports the wall time of one default-length PPO run (default arm: reward_k1 at the middle coefficient), and
-tokens/s for sampling (KV-cache generation of a rollout batch) and for training (one PPO minibatch update of
-policy and value model, forward + backward + Adam). Writes benchmarks/results.json.
+Every measurement is a fresh process (one torch thread) doing one default-length PPO run of params.yaml's
+reference arm at its middle coefficient: 60 iterations, a held-out evaluation every 5. It reports the CPU time of
+each PPO iteration (process time between iteration callbacks; the iterations that include an evaluation, and
+the first, are left out) and the whole run's wall and CPU time. The four variants, baseline or this tree x CPU
+pin off or on (pipelines/cpu.py; the baseline gets the same environment variables), run in rotating order
+``repeats`` times; the table gives the median over repeats of each run's median iteration, and the ratios.
+CPU time rather than wall time: the development machine is shared, and CPU time is what contention distorts
+least. The baseline is ``git archive <commit>`` unpacked in a temporary directory and imported in its own
+processes (PYTHONPATH); both trees get the same resolved configuration (read here, from this tree's
+params.yaml). Models are seeded fresh initialisations, not trained ones: every tensor shape of a PPO iteration is
+fixed (responses are padded to max_new_tokens), so the cost does not depend on the weights.
+``--profile`` adds two torch.profiler runs, before (baseline, unpinned) and after (this tree, pinned): aten calls
+per iteration (all, and top-level ones: those not called by another aten op) and the operators by self CPU time.
+Results: stdout and benchmarks/out/bench_ppo.json (git-ignored); no tracked file is written.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import inspect
+import itertools
 import json
+import os
 import statistics
-import time
+import subprocess
+import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
-import torch
-
-from ablations.config import load_params
-from ablations.grid import cells
-from pipelines.common import setup
-from pipelines.upstream import build_upstream
-from rlhf.model import generate, logprobs_from_logits, response_logits
-from rlhf.ppo import response_values, train_ppo
-from rlhf.task import EOS
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out" / "bench_ppo.json"
+BASELINE = "aa745cb"  # main before issue 8's speed work: Adam's per-tensor loop, NaN-filled new memory, no pin
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def spec(iterations: int | None) -> dict:
+    """The resolved workload, as plain JSON for both trees: grammar, model and PPO config of the reference cell
+    (``iterations`` overrides params.yaml's, for a shorter benchmark)."""
+    from ablations.config import load_params
+    from ablations.grid import cells
+
+    p = load_params()
+    mid = p.grid.coefs[len(p.grid.coefs) // 2]
+    ref = p.analysis.reference_arm
+    cell = next(c for c in cells(p) if c.kind == "fixed" and c.arm == ref and c.coef == mid)
+    t = p.grammar.task
+    grammar = dict(seed=cell.instance, **t.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"}))
+    return {
+        "grammar": grammar,
+        "prompts": [t.n_train_prompts, t.n_eval_prompts],
+        "model": p.grammar.model.model_dump(include={"d_model", "n_layers", "n_heads"}),
+        "ppo": p.grammar.ppo_config(cell.kl, cell.seed).model_dump(mode="json")
+        | ({"iterations": iterations} if iterations else {}),
+        "arm": cell.stage,
+    }
+
+
+def child(workload: dict, profile: bool) -> dict:
+    """One PPO run in this process, with whichever tree PYTHONPATH points at."""
+    import pipelines  # this tree pins the CPU math here, before torch; the baseline's package is empty
+
+    # isort: split
+    import copy
+    import time
+
+    import torch
+
+    import rlhf
+    from pipelines.common import setup
+    from rlhf.config import PPOConfig
+    from rlhf.model import ScalarModel, TinyLM
+    from rlhf.ppo import train_ppo
+    from rlhf.task import make_grammar, sample_prompts
+
+    setup()
+    # each tree gets the fields its own version knows (the baseline predates some)
+    accepted = inspect.signature(make_grammar).parameters
+    grammar = make_grammar(**{k: v for k, v in workload["grammar"].items() if k in accepted})
+    g = torch.Generator().manual_seed(0)
+    train, held = (sample_prompts(grammar, n, g) for n in workload["prompts"])
+    torch.manual_seed(0)
+    ref = TinyLM(grammar.vocab_size, grammar.prompt_len + grammar.max_new_tokens, **workload["model"]).eval()
+    reward_model = ScalarModel(copy.deepcopy(ref)).eval()
+    cfg = PPOConfig(**{k: v for k, v in workload["ppo"].items() if k in PPOConfig.model_fields})
+    marks = []
+    tick = lambda: marks.append(time.process_time())
+    prof = None
+    if profile:
+        from torch.profiler import ProfilerActivity, schedule
+
+        prof = torch.profiler.profile(
+            activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=2, repeat=1)
+        )
+        prof.start()
+        cfg = cfg.model_copy(update={"iterations": 5, "eval_every": 5})  # profiled: 3, 4
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    train_ppo(
+        copy.deepcopy(ref), ref, reward_model, grammar, train, held, cfg, lambda row: (tick(), prof and prof.step())
+    )
+    out = {
+        "tree": str(Path(rlhf.__file__).parents[1]),
+        "pipelines": str(Path(pipelines.__file__).parent),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR", "unset"),
+        "run_wall_s": time.perf_counter() - start_wall,
+        "run_cpu_s": time.process_time() - start_cpu,
+    }
+    evals = {it for it in range(1, cfg.iterations + 1) if it % cfg.eval_every == 0 or it == cfg.iterations}
+    steps = [b - a for it, (a, b) in enumerate(itertools.pairwise(marks), start=2) if it not in evals]
+    out["iteration_cpu_ms"] = 1e3 * statistics.median(steps)
+    if prof is not None:
+        prof.stop()
+        out["profile"] = profile_summary(prof, iterations=2)
+    return out
+
+
+def profile_summary(prof, iterations: int) -> dict:
+    ev = prof.key_averages()
+    aten = lambda name: name.startswith("aten::")
+    top_level = [e for e in prof.events() if aten(e.name) and not (e.cpu_parent and aten(e.cpu_parent.name))]
+    total = sum(e.self_cpu_time_total for e in ev)
+    return {
+        "aten_calls_per_iteration": sum(e.count for e in ev if aten(e.key)) / iterations,
+        "aten_top_level_calls_per_iteration": len(top_level) / iterations,
+        "fill_calls_per_iteration": sum(e.count for e in ev if e.key == "aten::fill_") / iterations,
+        "top_self_cpu": [
+            {"op": e.key, "share": round(e.self_cpu_time_total / total, 4), "calls_per_iteration": e.count / iterations}
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
+        ],
+    }
+
+
+def run_child(tree: Path, pinned: bool, workload: dict, profile: bool = False) -> dict:
+    from pipelines.cpu import PIN, PIN_ENV, pin_env
+
+    env = {k: v for k, v in os.environ.items() if k not in PIN and k != PIN_ENV}
+    env |= {"PYTHONPATH": str(tree), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
+    env |= pin_env() if pinned else {}  # the baseline has no pin of its own: it gets the same variables
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(workload)]
+    cmd += ["--profile"] * profile
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        sys.exit(f"benchmark child failed in {tree}:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["tree"]) == tree and Path(out["pipelines"]).parent == tree, out  # imported the intended tree
+    return out
+
+
+def unpack(commit: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT, capture_output=True, check=True)
+    tar = into / "baseline.tar"
+    tar.write_bytes(archive.stdout)
+    with tarfile.open(tar) as t:
+        t.extractall(into / "tree", filter="data")
+    return (into / "tree").resolve()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline", default=BASELINE, help="commit to compare against")
+    ap.add_argument("--iterations", type=int, help="PPO iterations per run (default: params.yaml's)")
+    ap.add_argument("--profile", action="store_true", help="also profile one run per tree")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    device = setup()
-    params = load_params()
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, 0, device)
-    mid = params.grid.coefs[len(params.grid.coefs) // 2]
-    cell = next(
-        c for c in cells(params) if c.kind == "fixed" and c.arm == params.analysis.reference_arm and c.coef == mid
-    )
-    cfg = params.grammar.ppo_config(cell.kl, cell.seed)
-    train, held = task["train_prompts"].to(device), task["eval_prompts"].to(device)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child), args.profile)))
+        return
+    sys.path.insert(0, str(ROOT))  # this tree's packages, whatever the editable install points at
+    workload = spec(args.iterations)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"baseline": unpack(args.baseline, Path(tmp)), "new": ROOT}
+        variants = [(t, p) for t in trees for p in (False, True)]
+        runs = {v: [] for v in variants}
+        for r in range(args.repeats):
+            for v in variants[r % 4 :] + variants[: r % 4]:  # rotate the order: no variant always runs first
+                runs[v].append(run_child(trees[v[0]], v[1], workload))
+                print(
+                    f"  repeat {r + 1} {v[0]:8s} pin {'on ' if v[1] else 'off'}: "
+                    f"{runs[v][-1]['iteration_cpu_ms']:.1f} ms/iteration",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        before_after = {"baseline pin off": ("baseline", False), "new pin on": ("new", True)} if args.profile else {}
+        profiles = {n: run_child(trees[t], p, workload, profile=True)["profile"] for n, (t, p) in before_after.items()}
+    result = summarise(runs, workload, args.baseline, args.repeats)
+    result["profiles"] = profiles
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    print(report(result))
 
-    g = torch.Generator(device).manual_seed(0)
-    prompts = train[: cfg.batch_size]
-    n_sample = cfg.batch_size * grammar.max_new_tokens
-    t_sample = median_time(lambda: generate(sft_model, prompts, grammar.max_new_tokens, 1.0, g, EOS), 20)
 
-    policy, value = copy.deepcopy(sft_model), copy.deepcopy(reward_model)
-    opt = torch.optim.Adam(list(policy.parameters()) + list(value.parameters()), lr=1e-6)
-    mb = prompts[: cfg.minibatch_size]
-    responses = generate(sft_model, mb, grammar.max_new_tokens, 1.0, g, EOS)
+def report(result: dict) -> str:
+    """The result as a few lines of text (the JSON file has everything)."""
+    lines = [f"{result['workload']}, baseline {result['baseline']}, {result['repeats']} repeats; CPU time:"]
+    for name, v in result["variants"].items():
+        each = ", ".join(f"{x:.1f}" for x in v["iteration_cpu_ms_each"])
+        lines.append(
+            f"  {name:16s} {v['iteration_cpu_ms']:7.1f} ms/iteration (runs: {each}); whole run {v['run_cpu_s']:.2f} s "
+            f"CPU, {v['run_wall_s']:.1f} s wall; ATen {v['capability']}, MKL_CBWR {v['mkl_cbwr']}"
+        )
+    lines += [f"  {k}: {v:.3f}x" for k, v in result["speedup_per_iteration"].items()]
+    lines.append(f"  whole run, baseline unpinned / new pinned: {result['speedup_whole_run_cpu']:.3f}x")
+    for name, prof in result["profiles"].items():
+        lines.append(
+            f"  profile {name}: {prof['aten_top_level_calls_per_iteration']:.0f} top-level aten calls per iteration "
+            f"({prof['aten_calls_per_iteration']:.0f} in all, fill_ {prof['fill_calls_per_iteration']:.0f}); top: "
+            + ", ".join(f"{e['op']} {100 * e['share']:.1f}%" for e in prof["top_self_cpu"][:6])
+        )
+    return "\n".join(lines)
 
-    def update():
-        loss = logprobs_from_logits(response_logits(policy, mb, responses, 1.0), responses).mean()
-        loss = loss + response_values(value, mb, responses).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
 
-    n_train = cfg.minibatch_size * (grammar.prompt_len + grammar.max_new_tokens)
-    t_train = median_time(update, 20)
-    t_run = median_time(
-        lambda: train_ppo(copy.deepcopy(sft_model), sft_model, reward_model, grammar, train, held, cfg), args.repeats
-    )
-    result = {
-        "ppo_run_seconds_median": t_run,
-        "repeats": args.repeats,
-        "iterations": cfg.iterations,
-        "arm": cell.stage,
-        "threads": torch.get_num_threads(),
-        "sampling_tokens_per_s": n_sample / t_sample,
-        "training_tokens_per_s": n_train / t_train,
+def summarise(runs: dict, workload: dict, baseline: str, repeats: int) -> dict:
+    med = lambda v, k: statistics.median(r[k] for r in runs[v])
+    table = {
+        f"{t} pin {'on' if p else 'off'}": {
+            "iteration_cpu_ms": med((t, p), "iteration_cpu_ms"),
+            "run_cpu_s": med((t, p), "run_cpu_s"),
+            "run_wall_s": med((t, p), "run_wall_s"),
+            "capability": runs[(t, p)][0]["capability"],
+            "mkl_cbwr": runs[(t, p)][0]["mkl_cbwr"],
+            "iteration_cpu_ms_each": [round(r["iteration_cpu_ms"], 2) for r in runs[(t, p)]],
+        }
+        for t, p in runs
     }
-    Path("benchmarks/results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    it = lambda name: table[name]["iteration_cpu_ms"]
+    return {
+        "workload": workload["arm"],
+        "baseline": baseline,
+        "repeats": repeats,
+        "variants": table,
+        "speedup_per_iteration": {
+            "pin off (baseline / new)": it("baseline pin off") / it("new pin off"),
+            "pin on (baseline / new)": it("baseline pin on") / it("new pin on"),
+            "net (baseline unpinned / new pinned)": it("baseline pin off") / it("new pin on"),
+            "pin cost on new code (pinned / unpinned)": it("new pin on") / it("new pin off"),
+        },
+        "speedup_whole_run_cpu": table["baseline pin off"]["run_cpu_s"] / table["new pin on"]["run_cpu_s"],
+    }
 
 
 if __name__ == "__main__":

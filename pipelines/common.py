@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ablations.config import ModelParams
+from pipelines import cpu
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Grammar
 
@@ -60,10 +61,18 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
 
 
 def setup() -> torch.device:
-    """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA only; before CUDA starts)
+    """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1), on the pinned CPU code path;
+    CUDA when present, with cuBLAS's deterministic workspace.
+
+    Deterministic algorithms stay on; filling new memory with NaN (a debugging aid of deterministic mode, ~5,000
+    fill_ calls per PPO iteration) is off: every tensor the code reads it has written first, and two runs with
+    the same seed are bit-identical (tests/test_determinism.py). ``cpu.check`` fails if the CPU pin did not take
+    effect (torch imported before pipelines) and warns if this CPU cannot follow it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    cpu.check()
     return default_device()
 
 

@@ -76,7 +76,10 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
     client, exp_id = _client(experiment)
     for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
         client.delete_run(old.info.run_id)
+    from pipelines import cpu
+
     all_tags = {STAGE_TAG: stage, "git_commit": git_commit(), **{k: str(v) for k, v in (tags or {}).items()}}
+    all_tags |= {f"determinism.{k}": v for k, v in cpu.settings().items()}  # what decides the float results
     run = client.create_run(exp_id, run_name=stage, tags=all_tags)
     run_id = run.info.run_id
     from mlflow.entities import Param

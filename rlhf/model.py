@@ -162,3 +162,16 @@ def generate(
             h, cache = model.hidden(nxt[:, None], cache, start=prompts.shape[1] + t, **kw)
             logits = model.head(h[:, -1])
     return out
+
+
+def adam(params, lr: float, eps: float) -> torch.optim.Adam:
+    """The optimizer of every training loop (SFT, reward model, PPO): Adam (Kingma & Ba 2015, Algorithm 1),
+    no weight decay; for each parameter theta (any shape), with gradient g, at step t = 1, 2, ...:
+
+        m <- b1 m + (1 - b1) g,    v <- b2 v + (1 - b2) g^2,    b1, b2 = 0.9, 0.999
+        theta <- theta - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+    ``fused=True``: PyTorch's fused kernel (aten::_fused_adam_) applies this update to all parameters in one call
+    instead of ~10 aten calls per tensor; the same update, deterministic, last float bits not the per-tensor loop's.
+    """
+    return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)

@@ -28,7 +28,7 @@ from rlhf.algorithms import ALGORITHMS, AdvantageParams, masked_whiten
 from rlhf.config import PPOConfig
 from rlhf.diagnostics import gradient_diagnostics
 from rlhf.evaluate import evaluate
-from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
+from rlhf.model import ScalarModel, TinyLM, adam, generate, logprobs_from_logits, response_logits
 from rlhf.reward_model import score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
 
@@ -208,7 +208,7 @@ def train_ppo(
     critic = ALGORITHMS[cfg.algorithm].critic
     value_model = copy.deepcopy(reward_model) if critic else None  # initialised from the RM (Huang et al.)
     params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
-    opt = torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
+    opt = adam(params, lr=cfg.lr, eps=1e-5)
     ctl = K.controller(kc)
     train_ref = ref_policy if kc.ref_sync_every is None else copy.deepcopy(ref_policy)  # moving reference
     measure = lambda it: {

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from rlhf.model import ScalarModel, TinyLM
+from rlhf.model import ScalarModel, TinyLM, adam
 from rlhf.task import response_mask
 
 
@@ -50,7 +50,7 @@ def train_reward_model(
     progress=None,
 ) -> list[float]:
     """Adam on the Bradley-Terry loss over random minibatches. Returns the loss of every step."""
-    opt = torch.optim.Adam(reward_model.parameters(), lr=lr)
+    opt = adam(reward_model.parameters(), lr=lr, eps=1e-8)
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)

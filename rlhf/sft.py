@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf.model import TinyLM, response_logits
+from rlhf.model import TinyLM, adam, response_logits
 from rlhf.task import response_mask
 
 
@@ -31,7 +31,7 @@ def train_sft(
     progress=None,
 ) -> list[float]:
     """Adam on ``response_nll`` over random minibatches. Returns the training loss of every step."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = adam(model.parameters(), lr=lr, eps=1e-8)
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)
