@@ -13,9 +13,7 @@ from rlhf.task import make_grammar, sample_prompts, sample_responses
 
 def build(p: TaskParams) -> dict:
     """The task as a dict of tensors and numbers (what data/task.pt holds)."""
-    grammar = make_grammar(
-        p.seed, p.n_words, p.n_successors, p.p_eos, p.illegal_penalty, p.prompt_len, p.max_new_tokens
-    )
+    grammar = make_grammar(**p.grammar_kwargs())
     g = torch.Generator().manual_seed(p.seed)
     demo_prompts = sample_prompts(grammar, p.n_demos, g)
     return {

@@ -23,7 +23,7 @@ from rlhf import kl as K
 from rlhf.config import PPOConfig
 from rlhf.evaluate import evaluate
 from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, response_logits
-from rlhf.reward_model import score
+from rlhf.reward_model import missing_eos, score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
 
 
@@ -136,8 +136,8 @@ def train_ppo(
             ref_logits = response_logits(ref_policy, prompts, responses, cfg.temperature)
             ref_logprobs = logprobs_from_logits(ref_logits, responses)
             values = response_values(value_model, prompts, responses) * mask  # (b, t)
-            # 3. score at the last response token
-            scores = score(reward_model, prompts, responses)  # (b,)
+            # 3. score at the last response token (a fixed score for a response without EOS, if configured)
+            scores = missing_eos(score(reward_model, prompts, responses), responses, cfg.missing_eos_score)  # (b,)
             check_finite("scores", scores, it)
             if kc.target == "reference":
                 target_logits, target_logprobs = ref_logits, ref_logprobs
