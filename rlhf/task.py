@@ -8,10 +8,11 @@ sentences: at least one word, and EOS within ``max_new_tokens`` (a sentence stil
 ``max_new_tokens - 1`` words ends there).
 
 Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). Every word w has a quality
-quality[w] = quality_mean + z_w, z_w ~ N(0, 1) drawn once with the grammar, so grammatical text is worth more
-the more of it there is, and good words are worth more than bad ones. For a response y_1..y_L (L counts the
-tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes), with y_0 the last prompt token and
-T = ``max_new_tokens``:
+quality[w] = quality_mean + z_w, with z_1..z_n drawn once with the grammar from N(0, 1) and standardised over the
+vocabulary (mean exactly 0, SD exactly 1, so every grammar seed has the same mean word quality): grammatical text
+is worth more the more of it there is, and good words are worth more than bad ones. For a response y_1..y_L
+(L counts the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes), with y_0 the last prompt
+token and T = ``max_new_tokens``:
 
     gold(y) = (1 / T) * sum_{t=1..L, y_t != EOS} g_t,
     g_t = quality[y_t]        if y_{t-1} -> y_t is a legal bigram of the grammar,
@@ -46,7 +47,8 @@ class Grammar:
 
     transition: (V, V) next-token probabilities, every row sums to 1 (EOS is absorbing).
     legal:      (V, V) bool, which bigrams the grammar allows (transition > 0).
-    quality:    (V,) per-token quality used by the gold reward (0 for special tokens).
+    quality:    (V,) per-token quality used by the gold reward: quality_mean + standardised N(0, 1) per word, 0 for
+                BOS/EOS.
     """
 
     transition: torch.Tensor
@@ -75,7 +77,7 @@ def make_grammar(
     """Draws the random grammar and the gold quality of each word from ``seed`` (every value explicit).
 
     Each word gets ``n_successors`` legal successors among the *other* words (no word may follow itself) with
-    Dirichlet(1) weights, and quality ``quality_mean + z``, z ~ N(0, 1)."""
+    Dirichlet(1) weights, and quality ``quality_mean + z`` with z ~ N(0, 1) standardised over the vocabulary."""
     if not 1 <= n_successors < n_words:
         raise ValueError(f"n_successors ({n_successors}) must be in [1, n_words - 1] = [1, {n_words - 1}]")
     g = torch.Generator().manual_seed(seed)
@@ -91,7 +93,8 @@ def make_grammar(
     transition[BOS, N_SPECIAL:] = 1.0 / n_words  # sentences start at any word
     transition[EOS, EOS] = 1.0  # absorbing: after EOS comes only EOS padding
     quality = torch.zeros(vocab, dtype=torch.float64)
-    quality[N_SPECIAL:] = quality_mean + torch.randn(n_words, generator=g, dtype=torch.float64)
+    z = torch.randn(n_words, generator=g, dtype=torch.float64)
+    quality[N_SPECIAL:] = quality_mean + (z - z.mean()) / z.std()  # standardised: mean quality_mean, SD 1
     return Grammar(
         transition=transition.float(),
         legal=transition > 0,
@@ -160,6 +163,15 @@ def illegal_fraction(grammar: Grammar, prompts: torch.Tensor, responses: torch.T
     return illegal.sum(1) / counted.sum(1).clamp(min=1.0)
 
 
+TIE = 1e-6  # gold differences smaller than this are float rounding (the same words summed in another order)
+
+
+def gold_difference(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
+    """gold(a) - gold(b) per prompt, (n,), with differences below ``TIE`` set to exactly 0 (a tie)."""
+    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    return torch.where(diff.abs() < TIE, torch.zeros_like(diff), diff)
+
+
 def preference_pairs(
     grammar: Grammar,
     prompts: torch.Tensor,
@@ -174,7 +186,7 @@ def preference_pairs(
     Returns (chosen, rejected, noiseless_agrees): chosen/rejected responses (n, t) and a (n,) bool telling
     whether the drawn label agrees with the noiseless gold comparison (ties agree).
     """
-    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    diff = gold_difference(grammar, prompts, responses_a, responses_b)
     p_a = torch.sigmoid(diff / max(noise, 1e-8))
     a_wins = torch.rand(p_a.shape, generator=generator) < p_a
     chosen = torch.where(a_wins[:, None], responses_a, responses_b)
@@ -187,9 +199,9 @@ def gold_ordered(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Ten
     """Noiseless gold comparison of two responses per prompt, ties dropped: for held-out accuracy.
 
     prompts (n, p), responses (n, t) -> (prompts, better, worse), each with the m <= n untied rows."""
-    ga, gb = gold_reward(grammar, prompts, responses_a), gold_reward(grammar, prompts, responses_b)
-    keep = ga != gb
-    a_wins = (ga > gb)[:, None]
+    diff = gold_difference(grammar, prompts, responses_a, responses_b)
+    keep = diff != 0
+    a_wins = (diff > 0)[:, None]
     better = torch.where(a_wins, responses_a, responses_b)[keep]
     worse = torch.where(a_wins, responses_b, responses_a)[keep]
     return prompts[keep], better, worse

@@ -6,7 +6,9 @@ import torch
 from rlhf.task import (
     BOS,
     EOS,
+    TIE,
     Grammar,
+    gold_difference,
     gold_reward,
     illegal_fraction,
     make_grammar,
@@ -76,6 +78,18 @@ def test_gold_reward_hand_computed(hand_grammar):
     assert gold[0] > gold[1] > gold[2] > gold[4]
 
 
+def test_gold_difference_treats_float_rounding_as_a_tie(hand_grammar):
+    prompts = torch.tensor([[BOS, A], [BOS, A], [BOS, A]])
+    a = torch.tensor([[B, A, B, EOS], [B, A, B, EOS], [B, EOS, EOS, EOS]])
+    b = torch.tensor([[B, A, B, EOS], [B, A, EOS, EOS], [B, A, EOS, EOS]])
+    assert gold_difference(hand_grammar, prompts, a, b).tolist() == pytest.approx([0.0, 0.125, -0.375])
+    # one word of quality q against silence: gold difference q / 4, a tie below TIE, not above it
+    word, empty = torch.tensor([[B, EOS, EOS, EOS]]), torch.tensor([[EOS, EOS, EOS, EOS]])
+    for q, tied in ((2 * TIE, True), (8 * TIE, False)):
+        g = Grammar(**{**hand_grammar.__dict__, "quality": torch.tensor([0.0, 0.0, 1.5, q])})
+        assert (gold_difference(g, prompts[:1], word, empty)[0] == 0) == tied
+
+
 def test_make_grammar_is_a_valid_markov_chain_without_self_loops():
     grammar = make_grammar(**{**TINY_TASK, "n_successors": 3})
     assert grammar.vocab_size == 10
@@ -88,13 +102,17 @@ def test_make_grammar_is_a_valid_markov_chain_without_self_loops():
     assert torch.equal(make_grammar(**TINY_TASK).transition, make_grammar(**TINY_TASK).transition)
 
 
-def test_make_grammar_quality_is_quality_mean_plus_standard_normal():
+def test_make_grammar_quality_is_quality_mean_plus_standardised_normal():
     base = make_grammar(**{**TINY_TASK, "quality_mean": 0.0})
     shifted = make_grammar(**{**TINY_TASK, "quality_mean": 0.75})
     assert torch.equal(base.transition, shifted.transition)  # the mean moves quality only
     torch.testing.assert_close(shifted.quality[2:], base.quality[2:] + 0.75)
+    for seed in range(5):  # every grammar: mean exactly quality_mean, SD exactly 1 over the words
+        q = make_grammar(**{**TINY_TASK, "seed": seed}).quality[2:]
+        assert q.mean().item() == pytest.approx(TINY_TASK["quality_mean"], abs=1e-6)
+        assert q.std().item() == pytest.approx(1.0, abs=1e-6)
     z = torch.cat([make_grammar(**{**TINY_TASK, "seed": s, "quality_mean": 0.0}).quality[2:] for s in range(100)])
-    assert abs(z.mean().item()) < 0.1 and abs(z.std().item() - 1.0) < 0.1  # 800 draws: SE of the mean 0.035
+    assert (z.abs() > 1.5).float().mean().item() == pytest.approx(0.134, abs=0.04)  # normal tails, not uniform
 
 
 def test_make_grammar_has_no_defaults_and_refuses_self_loop_budget():
@@ -131,8 +149,9 @@ def test_noiseless_preference_pairs_follow_gold():
     prompts, a, b, g = _pairs(grammar, 2000, 0)
     chosen, rejected, agrees = preference_pairs(grammar, prompts, a, b, 0.0, g)
     gc, gr = gold_reward(grammar, prompts, chosen), gold_reward(grammar, prompts, rejected)
-    assert (gc >= gr).all()
-    not_tied = gold_reward(grammar, prompts, a) != gold_reward(grammar, prompts, b)
+    assert (gc >= gr - TIE).all()
+    not_tied = gold_difference(grammar, prompts, a, b) != 0
+    assert not_tied.float().mean() > 0.5
     assert agrees[not_tied].all()
     # chosen/rejected are a and b, swapped per row
     assert (
