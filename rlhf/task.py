@@ -8,11 +8,13 @@ sentences: at least one word, and EOS within ``max_new_tokens`` (a sentence stil
 ``max_new_tokens - 1`` words ends there).
 
 Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). Every word w has a quality
-quality[w] = quality_mean + z_w, with z_1..z_n drawn once with the grammar from N(0, 1) and standardised over the
-vocabulary (mean exactly 0, SD exactly 1, so every grammar seed has the same mean word quality): grammatical text
-is worth more the more of it there is, and good words are worth more than bad ones. For a response y_1..y_L
-(L counts the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes), with y_0 the last prompt
-token and T = ``max_new_tokens``:
+quality[w] = quality_mean + z_w, with z_1..z_n drawn once with the grammar from N(0, 1) and standardised under the
+language's long-run word frequencies pi (the stationary distribution of the word chain): sum_w pi_w z_w = 0 and
+sum_w pi_w z_w^2 = 1, so in every grammar seed the words the language actually uses have mean quality exactly
+quality_mean. Grammatical text is worth more the more of it there is, and good words more than bad ones.
+
+For a response y_1..y_L (L counts the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes),
+with y_0 the last prompt token and T = ``max_new_tokens``:
 
     gold(y) = (1 / T) * sum_{t=1..L, y_t != EOS} g_t,
     g_t = quality[y_t]        if y_{t-1} -> y_t is a legal bigram of the grammar,
@@ -39,6 +41,7 @@ import torch
 
 BOS, EOS = 0, 1
 N_SPECIAL = 2
+POWER_STEPS = 2000  # power iterations for the word frequencies (the lazy chain has converged to float64 long before)
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,8 @@ class Grammar:
 
     transition: (V, V) next-token probabilities, every row sums to 1 (EOS is absorbing).
     legal:      (V, V) bool, which bigrams the grammar allows (transition > 0).
-    quality:    (V,) per-token quality used by the gold reward: quality_mean + standardised N(0, 1) per word, 0 for
-                BOS/EOS.
+    quality:    (V,) per-token quality used by the gold reward: quality_mean + z per word (z standardised under the
+                language's word frequencies), 0 for BOS/EOS.
     """
 
     transition: torch.Tensor
@@ -77,7 +80,8 @@ def make_grammar(
     """Draws the random grammar and the gold quality of each word from ``seed`` (every value explicit).
 
     Each word gets ``n_successors`` legal successors among the *other* words (no word may follow itself) with
-    Dirichlet(1) weights, and quality ``quality_mean + z`` with z ~ N(0, 1) standardised over the vocabulary."""
+    Dirichlet(1) weights, and quality ``quality_mean + z`` with z ~ N(0, 1) standardised under the language's word
+    frequencies (``word_frequencies``): mean exactly ``quality_mean`` and SD exactly 1 over the words it uses."""
     if not 1 <= n_successors < n_words:
         raise ValueError(f"n_successors ({n_successors}) must be in [1, n_words - 1] = [1, {n_words - 1}]")
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +98,9 @@ def make_grammar(
     transition[EOS, EOS] = 1.0  # absorbing: after EOS comes only EOS padding
     quality = torch.zeros(vocab, dtype=torch.float64)
     z = torch.randn(n_words, generator=g, dtype=torch.float64)
-    quality[N_SPECIAL:] = quality_mean + (z - z.mean()) / z.std()  # standardised: mean quality_mean, SD 1
+    freq = word_frequencies(transition)  # (n_words,)
+    z = z - (freq * z).sum()
+    quality[N_SPECIAL:] = quality_mean + z / (freq * z.square()).sum().sqrt()  # mean quality_mean, SD 1 under freq
     return Grammar(
         transition=transition.float(),
         legal=transition > 0,
@@ -103,6 +109,21 @@ def make_grammar(
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
     )
+
+
+def word_frequencies(transition: torch.Tensor) -> torch.Tensor:
+    """Long-run word frequencies of the language: (V, V) transition -> (n_words,) probabilities.
+
+    The stationary distribution pi = pi P of the word chain P (transition between words, renormalised without EOS,
+    which every word reaches with the same probability), reached from the uniform start of a sentence by power
+    iteration on the lazy chain (I + P) / 2 (same stationary distribution, aperiodic)."""
+    words = transition[N_SPECIAL:, N_SPECIAL:].double()
+    chain = words / words.sum(1, keepdim=True)  # (n, n)
+    lazy = 0.5 * (torch.eye(len(chain), dtype=chain.dtype) + chain)
+    pi = torch.full((len(chain),), 1.0 / len(chain), dtype=chain.dtype)
+    for _ in range(POWER_STEPS):
+        pi = pi @ lazy
+    return pi / pi.sum()
 
 
 def sample_prompts(grammar: Grammar, n: int, generator: torch.Generator) -> torch.Tensor:

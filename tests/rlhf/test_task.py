@@ -16,6 +16,7 @@ from rlhf.task import (
     response_mask,
     sample_prompts,
     sample_responses,
+    word_frequencies,
 )
 
 from ..conftest import TINY_TASK
@@ -102,17 +103,34 @@ def test_make_grammar_is_a_valid_markov_chain_without_self_loops():
     assert torch.equal(make_grammar(**TINY_TASK).transition, make_grammar(**TINY_TASK).transition)
 
 
+def test_word_frequencies_are_the_stationary_distribution_of_the_word_chain():
+    grammar = make_grammar(**{**TINY_TASK, "seed": 3})
+    pi = word_frequencies(grammar.transition)
+    chain = grammar.transition[2:, 2:].double()
+    chain = chain / chain.sum(1, keepdim=True)
+    assert pi.sum().item() == pytest.approx(1.0) and (pi >= 0).all()
+    torch.testing.assert_close(pi @ chain, pi)
+    # ... and the word frequencies of long sampled sentences (words after the first few steps)
+    g = torch.Generator().manual_seed(0)
+    long = make_grammar(**{**TINY_TASK, "seed": 3, "p_eos": 0.01, "max_new_tokens": 40})
+    responses = sample_responses(long, sample_prompts(long, 2000, g), g)[:, 10:]
+    words = responses[responses >= 2] - 2
+    empirical = torch.bincount(words, minlength=len(pi)).double() / len(words)
+    assert 0.5 * (empirical - word_frequencies(long.transition)).abs().sum() < 0.03  # total variation
+
+
 def test_make_grammar_quality_is_quality_mean_plus_standardised_normal():
     base = make_grammar(**{**TINY_TASK, "quality_mean": 0.0})
     shifted = make_grammar(**{**TINY_TASK, "quality_mean": 0.75})
     assert torch.equal(base.transition, shifted.transition)  # the mean moves quality only
     torch.testing.assert_close(shifted.quality[2:], base.quality[2:] + 0.75)
-    for seed in range(5):  # every grammar: mean exactly quality_mean, SD exactly 1 over the words
-        q = make_grammar(**{**TINY_TASK, "seed": seed}).quality[2:]
-        assert q.mean().item() == pytest.approx(TINY_TASK["quality_mean"], abs=1e-6)
-        assert q.std().item() == pytest.approx(1.0, abs=1e-6)
+    for seed in range(5):  # every grammar: mean quality_mean and SD 1 under the language's word frequencies
+        grammar = make_grammar(**{**TINY_TASK, "seed": seed})
+        pi, q = word_frequencies(grammar.transition), grammar.quality[2:].double()
+        assert (pi * q).sum().item() == pytest.approx(TINY_TASK["quality_mean"], abs=1e-6)
+        assert (pi * (q - TINY_TASK["quality_mean"]).square()).sum().item() == pytest.approx(1.0, abs=1e-6)
     z = torch.cat([make_grammar(**{**TINY_TASK, "seed": s, "quality_mean": 0.0}).quality[2:] for s in range(100)])
-    assert (z.abs() > 1.5).float().mean().item() == pytest.approx(0.134, abs=0.04)  # normal tails, not uniform
+    assert z.std().item() == pytest.approx(1.0, abs=0.15)  # roughly standard normal over words too
 
 
 def test_make_grammar_has_no_defaults_and_refuses_self_loop_budget():
