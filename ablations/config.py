@@ -34,24 +34,31 @@ class ParamsError(ValueError):
 
 
 class GrammarTaskParams(BaseModel):
-    """The synthetic language (rlhf/task.py); its seed is the task instance."""
+    """The synthetic language and its gold reward (rlhf/task.py has the formula); its seed is the task instance."""
 
     model_config = STRICT
     n_words: int = Field(ge=2, le=10_000)
-    n_successors: int = Field(ge=1)
+    n_successors: int = Field(ge=1, description="legal successors per word, among the other words")
     p_eos: FiniteFloat = Field(gt=0.0, lt=1.0)
+    quality_mean: FiniteFloat = Field(ge=-100.0, le=100.0, description="mean gold quality of a word")
     illegal_penalty: FiniteFloat = Field(ge=0.0, le=1_000.0)
     prompt_len: int = Field(ge=2, le=1_000)
-    max_new_tokens: int = Field(ge=1, le=1_000)
+    max_new_tokens: int = Field(ge=2, le=1_000, description="a demonstration has at least one word and EOS")
     n_demos: int = Field(gt=0, le=10_000_000)
     n_train_prompts: int = Field(gt=0, le=10_000_000)
     n_eval_prompts: int = Field(gt=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _fits(self):
-        if self.n_successors > self.n_words:
-            raise ValueError(f"n_successors ({self.n_successors}) cannot exceed n_words ({self.n_words})")
+        if self.n_successors >= self.n_words:
+            raise ValueError(
+                f"n_successors ({self.n_successors}) must be below n_words ({self.n_words}): no word may follow itself"
+            )
         return self
+
+    def grammar_kwargs(self, seed: int) -> dict:
+        """The arguments of ``rlhf.task.make_grammar`` for instance ``seed`` (every one, none left to a default)."""
+        return {"seed": seed, **self.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"})}
 
 
 class HFParams(BaseModel):

@@ -16,7 +16,7 @@ from rlhf.task import make_grammar, sample_prompts, sample_responses
 
 def build(p: GrammarTaskParams, seed: int) -> dict:
     """The task instance ``seed`` as a dict of tensors and numbers (what data/<task>/<seed>/task.pt holds)."""
-    grammar = make_grammar(seed, p.n_words, p.n_successors, p.p_eos, p.illegal_penalty, p.prompt_len, p.max_new_tokens)
+    grammar = make_grammar(**p.grammar_kwargs(seed))
     g = torch.Generator().manual_seed(seed)
     demo_prompts = sample_prompts(grammar, p.n_demos, g)
     return {

@@ -154,6 +154,9 @@ class PPOConfig(BaseModel):
     cliprange_value: FiniteFloat = Field(gt=0.0)
     vf_coef: FiniteFloat = Field(ge=0.0)
     whiten_rewards: bool
+    missing_eos_score: FiniteFloat | None = Field(
+        description="proxy score of a response without EOS (Huang et al. 2024: -1); None keeps the proxy's score"
+    )
     eval_every: int = Field(gt=0)
     eval_seed: int = Field(ge=0, description="sampling seed of every held-out evaluation (the same for every arm)")
     seed: int = Field(ge=0)

@@ -1,13 +1,18 @@
 """The one measurement every arm gets, whatever its KL variant: held-out prompts, the same sampling seed.
 
-For responses sampled from the current policy on ``eval_prompts``:
-    gold     mean gold reward (task.gold_reward)
-    proxy    mean proxy reward-model score
-    kl       mean over prompts of sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t)), exact over the vocabulary at each
-             response position (kl.full_kl), never the arm's own training estimator
-    entropy  mean per-token entropy of the policy on response tokens (nats)
-    length   mean response length in tokens (EOS included)
-    illegal  mean fraction of response tokens that break the grammar (the proxy's blind spot)
+For responses sampled from the current policy on ``eval_prompts`` (``response_stats`` for any responses):
+    gold       mean gold reward (task.gold_reward)
+    proxy      mean proxy reward-model score (the raw score, without PPO's missing-EOS replacement)
+    kl         mean over prompts of sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t)), exact over the vocabulary at each
+               response position (kl.full_kl), never the arm's own training estimator
+    entropy    mean per-token entropy of the policy on response tokens (nats)
+    length     mean response length in tokens (EOS included; an empty response has length 1)
+    empty      share of empty responses (EOS first)
+    truncated  share of responses without EOS within max_new_tokens
+    illegal    mean fraction of response tokens that break the grammar (the proxy's blind spot)
+
+``degenerate_responses`` builds the policies the gold reward must rank below the SFT policy (silence, a repeated
+word, random words, truncated SFT text), for the task's sanity checks.
 """
 
 from __future__ import annotations
@@ -17,7 +22,22 @@ import torch
 from rlhf.kl import entropy, full_kl, masked_mean
 from rlhf.model import ScalarModel, TinyLM, generate, response_logits
 from rlhf.reward_model import score
-from rlhf.task import EOS, Grammar, gold_reward, illegal_fraction, response_mask
+from rlhf.task import EOS, N_SPECIAL, Grammar, gold_reward, illegal_fraction, response_mask
+
+
+@torch.no_grad()
+def response_stats(
+    reward_model: ScalarModel, grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor
+) -> dict[str, float]:
+    """gold, proxy, length, empty, truncated and illegal (module docstring) of prompts (n, p), responses (n, t)."""
+    return {
+        "gold": gold_reward(grammar, prompts, responses).mean().item(),
+        "proxy": score(reward_model, prompts, responses).mean().item(),
+        "length": response_mask(responses).sum(1).mean().item(),
+        "empty": (responses[:, 0] == EOS).float().mean().item(),
+        "truncated": (responses != EOS).all(1).float().mean().item(),
+        "illegal": illegal_fraction(grammar, prompts, responses).mean().item(),
+    }
 
 
 @torch.no_grad()
@@ -35,11 +55,44 @@ def evaluate(
     mask = response_mask(responses)  # (n, t)
     logits = response_logits(policy, eval_prompts, responses, temperature)  # (n, t, V)
     ref_logits = response_logits(ref_policy, eval_prompts, responses, temperature)
+    stats = response_stats(reward_model, grammar, eval_prompts, responses)
     return {
-        "gold": gold_reward(grammar, eval_prompts, responses).mean().item(),
-        "proxy": score(reward_model, eval_prompts, responses).mean().item(),
+        "gold": stats.pop("gold"),
+        "proxy": stats.pop("proxy"),
         "kl": (full_kl(logits, ref_logits) * mask).sum(1).mean().item(),
         "entropy": masked_mean(entropy(logits), mask).item(),
-        "length": mask.sum(1).mean().item(),
-        "illegal": illegal_fraction(grammar, eval_prompts, responses).mean().item(),
+        **stats,
     }
+
+
+def keep_words(responses: torch.Tensor, k: int) -> torch.Tensor:
+    """Each response cut after its first ``k`` tokens and ended there with EOS (shorter ones unchanged). (n, t)."""
+    out = responses.clone()
+    if k < out.shape[1]:
+        out[:, k:] = EOS
+    return out
+
+
+def degenerate_responses(
+    grammar: Grammar, sft_responses: torch.Tensor, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Responses of degenerate policies for the prompts of ``sft_responses`` (n, t), each (n, t):
+
+    empty              EOS first (saying nothing)
+    repeat_w<i>        word i repeated max_new_tokens - 1 times, then EOS (never grammatical after the first word)
+    random_words       max_new_tokens - 1 uniformly random words, then EOS
+    random_sft_length  each word of the SFT response replaced by a uniformly random word (same lengths)
+    sft_first_<k>      the SFT response cut to its first k tokens (k = 1, 2), then EOS
+    """
+    n, t = sft_responses.shape
+    n_words = grammar.vocab_size - N_SPECIAL
+    full = torch.full((n, t), EOS, dtype=torch.long, device=sft_responses.device)
+    words = torch.randint(N_SPECIAL, grammar.vocab_size, (n, t), generator=generator).to(sft_responses.device)
+    out = {"empty": full.clone()}
+    for i in range(N_SPECIAL, N_SPECIAL + n_words):
+        out[f"repeat_w{i}"] = keep_words(torch.full_like(full, i), t - 1)
+    out["random_words"] = keep_words(words, t - 1)
+    out["random_sft_length"] = torch.where(sft_responses == EOS, sft_responses, words)
+    for k in (1, 2):
+        out[f"sft_first_{k}"] = keep_words(sft_responses, k)
+    return out

@@ -29,7 +29,7 @@ from rlhf.config import PPOConfig
 from rlhf.diagnostics import gradient_diagnostics
 from rlhf.evaluate import evaluate
 from rlhf.model import ScalarModel, TinyLM, adam, generate, logprobs_from_logits, response_logits
-from rlhf.reward_model import score
+from rlhf.reward_model import missing_eos, score
 from rlhf.task import EOS, Grammar, gold_reward, response_mask
 
 
@@ -226,8 +226,8 @@ def train_ppo(
         # 1-2. generate; log-probs under the policy (old) and the reference, exact KL to the reference; values
         prompts = draw_prompts(train_prompts, cfg.batch_size, cfg.group_size, g)
         traj = rollout(policy, ref_policy, train_ref, value_model, prompts, grammar, cfg.temperature, g)
-        # 3. score at the last response token
-        scores = score(reward_model, traj.prompts, traj.responses)  # (b,)
+        # 3. score at the last response token (a fixed score for a response without EOS, if configured)
+        scores = missing_eos(score(reward_model, traj.prompts, traj.responses), traj.responses, cfg.missing_eos_score)
         check_finite("scores", scores, it)
         traj = traj._replace(scores=scores)
         # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.model import ScalarModel, TinyLM, adam
-from rlhf.task import response_mask
+from rlhf.task import EOS, response_mask
 
 
 def last_index(responses: torch.Tensor) -> torch.Tensor:
@@ -27,6 +27,22 @@ def score(reward_model: ScalarModel, prompts: torch.Tensor, responses: torch.Ten
     per_pos = reward_model(torch.cat([prompts, responses], dim=1))  # (b, p + t)
     idx = prompts.shape[1] + last_index(responses)
     return per_pos.gather(1, idx[:, None]).squeeze(1)
+
+
+def missing_eos(scores: torch.Tensor, responses: torch.Tensor, fixed_score: float | None) -> torch.Tensor:
+    """Scores with those of responses that never emit EOS replaced by ``fixed_score``: scores (b,), responses
+    (b, t) -> (b,). ``fixed_score`` None returns ``scores`` unchanged.
+
+        score'(x, y) = fixed_score  if EOS not in y_1..y_T (the response ran out of tokens),  score(x, y) otherwise
+
+    Huang et al. 2024 (arXiv 2403.17031), 'EOS trick to ensure scores from the RM is valid': a truncated response
+    gets a fixed low score (-1 in their TL;DR runs, ``penalty_reward_value``), in
+    vwxyzjn/summarize_from_feedback_details ``ppo.py``: ``scores = torch.where(contain_eos_token, scores,
+    torch.full_like(scores, args.penalty_reward_value))``."""
+    if fixed_score is None:
+        return scores
+    has_eos = (responses == EOS).any(1)  # (b,)
+    return torch.where(has_eos, scores, torch.full_like(scores, fixed_score))
 
 
 def init_reward_model(sft_model: TinyLM) -> ScalarModel:

@@ -1,22 +1,36 @@
-"""A synthetic preference task with an exactly computable gold reward.
+"""A synthetic preference task with an exactly computable gold reward that judges content.
 
 The reference language is a random sparse bigram chain (a Markov grammar) over ``n_words`` word tokens plus
-two special tokens, BOS and EOS. Each word has ``n_successors`` legal successors (Dirichlet(1) weights) and may end
-the sentence with probability ``p_eos``. Prompts are BOS followed by ``prompt_len - 1`` words of the chain; SFT
-demonstrations continue the chain for at most ``max_new_tokens`` tokens.
+two special tokens, BOS and EOS. Each word has ``n_successors`` legal successors among the other words (no word
+may follow itself), with Dirichlet(1) weights, and may end the sentence with probability ``p_eos``. Prompts are
+BOS followed by ``prompt_len - 1`` words of the chain. SFT demonstrations continue the chain as complete
+sentences: at least one word, and EOS within ``max_new_tokens`` (a sentence still going after
+``max_new_tokens - 1`` words ends there).
 
-Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). For a response y_1..y_L (L counts
-the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes) and the last prompt token y_0:
+Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). Every word w has a quality
+quality[w] = quality_mean + z_w, with z_1..z_n drawn once with the grammar from N(0, 1) and standardised under the
+language's long-run word frequencies pi (the stationary distribution of the word chain): sum_w pi_w z_w = 0 and
+sum_w pi_w z_w^2 = 1, so in every grammar seed the words the language actually uses have mean quality exactly
+quality_mean. Grammatical text is worth more the more of it there is, and good words more than bad ones.
 
-    gold(y) = (1 / max_new_tokens) * sum_{t=1..L, y_t != EOS} g_t,
+For a response y_1..y_L (L counts the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes),
+with y_0 the last prompt token and T = ``max_new_tokens``:
+
+    gold(y) = (1 / T) * sum_{t=1..L, y_t != EOS} g_t,
     g_t = quality[y_t]        if y_{t-1} -> y_t is a legal bigram of the grammar,
     g_t = -illegal_penalty    otherwise.
 
+Saying nothing scores 0; with ``quality_mean`` > 0 an SFT-like response scores about
+(number of words) * quality_mean / T > 0, so silence, truncation, a repeated word (never legal) and random words
+(legal with chance n_successors / n_words) all score below the SFT policy. EOS itself is never scored: whether a
+response ends is the business of the PPO option ``missing_eos_score`` (Huang et al. 2024), not of gold.
+
 Where over-optimisation comes from: preference pairs are sampled from the SFT policy, which almost never
-produces an illegal bigram, so the proxy reward model learns "more high-quality words is better" and never
-sees the price of ungrammatical text. A policy that maximises the proxy drifts to repeating the best words
-whether or not the grammar allows it; gold first rises (better legal words) and then falls (illegal bigrams).
-Nothing in the proxy is hard-coded to be wrong: the blind spot is a property of the data.
+produces an illegal bigram, so the proxy reward model learns "more words, and better words, are better" and
+never sees the price of ungrammatical text. A policy that maximises the proxy drifts to the best words whether
+or not the grammar allows them in that order; gold first rises (more and better legal words) and then falls
+(illegal bigrams) while responses stay long. Nothing in the proxy is hard-coded to be wrong: the blind spot is a
+property of the data.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import torch
 
 BOS, EOS = 0, 1
 N_SPECIAL = 2
+POWER_STEPS = 2000  # power iterations for the word frequencies (the lazy chain has converged to float64 long before)
 
 
 @dataclass(frozen=True)
@@ -35,7 +50,8 @@ class Grammar:
 
     transition: (V, V) next-token probabilities, every row sums to 1 (EOS is absorbing).
     legal:      (V, V) bool, which bigrams the grammar allows (transition > 0).
-    quality:    (V,) per-token quality used by the gold reward (0 for special tokens).
+    quality:    (V,) per-token quality used by the gold reward: quality_mean + z per word (z standardised under the
+                language's word frequencies), 0 for BOS/EOS.
     """
 
     transition: torch.Tensor
@@ -52,27 +68,39 @@ class Grammar:
 
 def make_grammar(
     seed: int,
-    n_words: int = 24,
-    n_successors: int = 4,
-    p_eos: float = 0.06,
-    illegal_penalty: float = 2.0,
-    prompt_len: int = 4,
-    max_new_tokens: int = 12,
+    *,
+    n_words: int,
+    n_successors: int,
+    p_eos: float,
+    quality_mean: float,
+    illegal_penalty: float,
+    prompt_len: int,
+    max_new_tokens: int,
 ) -> Grammar:
-    """Draws the random grammar and the gold quality of each word from ``seed``."""
+    """Draws the random grammar and the gold quality of each word from ``seed`` (every value explicit).
+
+    Each word gets ``n_successors`` legal successors among the *other* words (no word may follow itself) with
+    Dirichlet(1) weights, and quality ``quality_mean + z`` with z ~ N(0, 1) standardised under the language's word
+    frequencies (``word_frequencies``): mean exactly ``quality_mean`` and SD exactly 1 over the words it uses."""
+    if not 1 <= n_successors < n_words:
+        raise ValueError(f"n_successors ({n_successors}) must be in [1, n_words - 1] = [1, {n_words - 1}]")
     g = torch.Generator().manual_seed(seed)
     vocab = n_words + N_SPECIAL
     transition = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for tok in range(N_SPECIAL, vocab):
-        succ = torch.randperm(n_words, generator=g)[:n_successors] + N_SPECIAL
+    for w in range(n_words):
+        others = torch.cat([torch.arange(w), torch.arange(w + 1, n_words)])  # no self-loop
+        succ = others[torch.randperm(n_words - 1, generator=g)[:n_successors]] + N_SPECIAL
         # Dirichlet(1, ..., 1) weights as normalised Exp(1) draws, taken from our own generator.
         expo = -torch.log(torch.rand(n_successors, generator=g, dtype=torch.float64))
-        transition[tok, succ] = (1.0 - p_eos) * expo / expo.sum()
-        transition[tok, EOS] = p_eos
+        transition[w + N_SPECIAL, succ] = (1.0 - p_eos) * expo / expo.sum()
+        transition[w + N_SPECIAL, EOS] = p_eos
     transition[BOS, N_SPECIAL:] = 1.0 / n_words  # sentences start at any word
     transition[EOS, EOS] = 1.0  # absorbing: after EOS comes only EOS padding
     quality = torch.zeros(vocab, dtype=torch.float64)
-    quality[N_SPECIAL:] = torch.randn(n_words, generator=g, dtype=torch.float64)
+    z = torch.randn(n_words, generator=g, dtype=torch.float64)
+    freq = word_frequencies(transition)  # (n_words,)
+    z = z - (freq * z).sum()
+    quality[N_SPECIAL:] = quality_mean + z / (freq * z.square()).sum().sqrt()  # mean quality_mean, SD 1 under freq
     return Grammar(
         transition=transition.float(),
         legal=transition > 0,
@@ -81,6 +109,21 @@ def make_grammar(
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
     )
+
+
+def word_frequencies(transition: torch.Tensor) -> torch.Tensor:
+    """Long-run word frequencies of the language: (V, V) transition -> (n_words,) probabilities.
+
+    The stationary distribution pi = pi P of the word chain P (transition between words, renormalised without EOS,
+    which every word reaches with the same probability), reached from the uniform start of a sentence by power
+    iteration on the lazy chain (I + P) / 2 (same stationary distribution, aperiodic)."""
+    words = transition[N_SPECIAL:, N_SPECIAL:].double()
+    chain = words / words.sum(1, keepdim=True)  # (n, n)
+    lazy = 0.5 * (torch.eye(len(chain), dtype=chain.dtype) + chain)
+    pi = torch.full((len(chain),), 1.0 / len(chain), dtype=chain.dtype)
+    for _ in range(POWER_STEPS):
+        pi = pi @ lazy
+    return pi / pi.sum()
 
 
 def sample_prompts(grammar: Grammar, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -96,17 +139,25 @@ def sample_prompts(grammar: Grammar, n: int, generator: torch.Generator) -> torc
 
 
 def sample_responses(grammar: Grammar, prompts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Demonstrations: continue each prompt with the grammar. Returns (n, max_new_tokens); after EOS, EOS pads."""
-    n = prompts.shape[0]
-    out = torch.full((n, grammar.max_new_tokens), EOS, dtype=torch.long)
+    """Demonstrations: complete sentences that continue each prompt with the grammar. Returns (n, max_new_tokens).
+
+    A demonstration has at least one word (EOS cannot come first: every prompt asks for content) and always ends
+    with EOS within ``max_new_tokens``: a sentence still going after ``max_new_tokens - 1`` words ends there (EOS
+    is legal after every word). After EOS, EOS pads."""
+    n, t_max = prompts.shape[0], grammar.max_new_tokens
+    out = torch.full((n, t_max), EOS, dtype=torch.long)
     prev, done = prompts[:, -1], torch.zeros(n, dtype=torch.bool)
-    for t in range(grammar.max_new_tokens):
-        nxt = torch.multinomial(grammar.transition[prev], 1, generator=generator).squeeze(1)
+    for t in range(t_max - 1):
+        probs = grammar.transition[prev]
+        if t == 0:
+            probs = probs.clone()
+            probs[:, EOS] = 0.0
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
         out[:, t] = nxt
         done = done | (nxt == EOS)
         prev = nxt
-    return out
+    return out  # the last position stays EOS
 
 
 def response_mask(responses: torch.Tensor) -> torch.Tensor:
@@ -133,6 +184,15 @@ def illegal_fraction(grammar: Grammar, prompts: torch.Tensor, responses: torch.T
     return illegal.sum(1) / counted.sum(1).clamp(min=1.0)
 
 
+TIE = 1e-6  # gold differences smaller than this are float rounding (the same words summed in another order)
+
+
+def gold_difference(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
+    """gold(a) - gold(b) per prompt, (n,), with differences below ``TIE`` set to exactly 0 (a tie)."""
+    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    return torch.where(diff.abs() < TIE, torch.zeros_like(diff), diff)
+
+
 def preference_pairs(
     grammar: Grammar,
     prompts: torch.Tensor,
@@ -147,7 +207,7 @@ def preference_pairs(
     Returns (chosen, rejected, noiseless_agrees): chosen/rejected responses (n, t) and a (n,) bool telling
     whether the drawn label agrees with the noiseless gold comparison (ties agree).
     """
-    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    diff = gold_difference(grammar, prompts, responses_a, responses_b)
     p_a = torch.sigmoid(diff / max(noise, 1e-8))
     a_wins = torch.rand(p_a.shape, generator=generator) < p_a
     chosen = torch.where(a_wins[:, None], responses_a, responses_b)
@@ -160,9 +220,9 @@ def gold_ordered(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Ten
     """Noiseless gold comparison of two responses per prompt, ties dropped: for held-out accuracy.
 
     prompts (n, p), responses (n, t) -> (prompts, better, worse), each with the m <= n untied rows."""
-    ga, gb = gold_reward(grammar, prompts, responses_a), gold_reward(grammar, prompts, responses_b)
-    keep = ga != gb
-    a_wins = (ga > gb)[:, None]
+    diff = gold_difference(grammar, prompts, responses_a, responses_b)
+    keep = diff != 0
+    a_wins = (diff > 0)[:, None]
     better = torch.where(a_wins, responses_a, responses_b)[keep]
     worse = torch.where(a_wins, responses_b, responses_a)[keep]
     return prompts[keep], better, worse

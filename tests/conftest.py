@@ -44,9 +44,22 @@ class RMResult:
     worse: torch.Tensor
 
 
+# The tiny task of the unit tests (params.yaml's `task` section holds the pipeline's values).
+TINY_TASK = dict(
+    seed=0,
+    n_words=8,
+    n_successors=4,
+    p_eos=0.06,
+    quality_mean=0.5,
+    illegal_penalty=2.0,
+    prompt_len=4,
+    max_new_tokens=6,
+)
+
+
 @pytest.fixture(scope="session")
 def grammar() -> Grammar:
-    return make_grammar(0, n_words=8, max_new_tokens=6)
+    return make_grammar(**TINY_TASK)
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +152,7 @@ PPO_BASE = dict(
     cliprange_value=0.2,
     vf_coef=0.1,
     whiten_rewards=False,
+    missing_eos_score=None,
     eval_seed=12345,
     seed=0,
 )

@@ -1,6 +1,8 @@
-"""The experiment is meaningful: on the default settings, PPO without KL over-optimises the proxy.
+"""The experiment is meaningful: on the default settings, PPO without KL over-optimises the proxy, and not by
+going silent: gold rises, then falls through the proxy's blind spot while the proxy keeps rising, and the mean
+response length never falls more than LENGTH_BOUND tokens below the SFT policy's (issue 7).
 
-Slow (about two minutes on one thread): run with `make test-all`.
+Slow (a few minutes on one thread): run with `make test-all`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from rlhf.ppo import train_ppo
 
 pytestmark = pytest.mark.slow
 SEEDS = (0, 1, 2)
-CLEAR_DROP = 0.08  # gold units; the held-out gold mean has a standard error of about 0.02
+RISE = 0.3  # gold units: the early gain of every seed (the SFT policy scores about 0.22)
+CLEAR_DROP = 0.1  # gold units; the held-out gold mean of one evaluation has an SD of about 0.01-0.02
+LENGTH_BOUND = 0.5  # tokens: no evaluation's mean length may be further below the SFT policy's (iteration 0)
+EMPTY_BOUND = 0.05  # share of empty responses (EOS first) any evaluation may add to the SFT policy's
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +47,29 @@ def runs():
     }
 
 
+def peak(evals: list[dict]) -> int:
+    return max(range(len(evals)), key=lambda i: evals[i]["gold"])
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_without_kl_gold_peaks_then_falls_while_proxy_keeps_rising(runs, seed):
     evals = runs[seed]["none"]
-    peak = max(range(len(evals)), key=lambda i: evals[i]["gold"])
-    assert evals[peak]["gold"] > evals[0]["gold"] + 0.2  # optimisation first helps
-    assert evals[-1]["gold"] < evals[peak]["gold"] - CLEAR_DROP  # then hurts
-    assert evals[-1]["proxy"] > evals[peak]["proxy"] + 0.1  # while the proxy still climbs
+    top = evals[peak(evals)]
+    assert top["gold"] > evals[0]["gold"] + RISE  # optimisation first helps
+    assert evals[-1]["gold"] < top["gold"] - CLEAR_DROP  # then hurts
+    assert evals[-1]["proxy"] > top["proxy"]  # while the proxy is still climbing
+    assert evals[-1]["proxy"] > evals[0]["proxy"] + 1.0  # (by the end far above the SFT policy's)
     assert evals[-1]["illegal"] > 3 * evals[0]["illegal"]  # through the proxy's blind spot
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("arm", ["none", "strong"])
+def test_gold_is_not_bought_by_going_silent(runs, seed, arm):
+    """Length and empty responses stay at or above the SFT policy's along the whole run, with and without KL."""
+    evals = runs[seed][arm]
+    sft = evals[0]
+    assert min(e["length"] for e in evals) > sft["length"] - LENGTH_BOUND
+    assert max(e["empty"] for e in evals) < sft["empty"] + EMPTY_BOUND
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -57,4 +77,4 @@ def test_strong_reference_kl_keeps_kl_small_and_gold_near_its_best(runs, seed):
     strong, none = runs[seed]["strong"], runs[seed]["none"]
     assert strong[-1]["kl"] < 0.25 * none[-1]["kl"]
     assert strong[-1]["gold"] > max(e["gold"] for e in strong) - 0.05
-    assert strong[-1]["gold"] > strong[0]["gold"] + 0.2
+    assert strong[-1]["gold"] > strong[0]["gold"] + RISE

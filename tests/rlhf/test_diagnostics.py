@@ -13,7 +13,7 @@ from rlhf.model import logprobs_from_logits, response_logits
 from rlhf.ppo import train_ppo
 from rlhf.task import EOS, make_grammar, response_mask, sample_prompts
 
-from ..conftest import small_ppo_config, tiny_lm
+from ..conftest import TINY_TASK, small_ppo_config, tiny_lm
 
 
 def diag(n_true=16, n_minibatches=2, at=(1,)):
@@ -37,7 +37,7 @@ def rows_by_regime(out):
 @pytest.fixture(scope="module")
 def short_task():
     """Responses of at most 2 tokens over 5 symbols: every response enumerable (21 per prompt)."""
-    grammar = make_grammar(3, n_words=3, n_successors=2, max_new_tokens=2)
+    grammar = make_grammar(**{**TINY_TASK, "seed": 3, "n_words": 3, "n_successors": 2, "max_new_tokens": 2})
     prompts = sample_prompts(grammar, 3, torch.Generator().manual_seed(0))
     policy, ref = tiny_lm(grammar, seed=1), tiny_lm(grammar, seed=2)
     return grammar, prompts, policy, ref
@@ -89,7 +89,7 @@ def test_k2_loss_with_return_to_go_is_k1_reward_sample_by_sample(ppo_setup):
 
 def test_k2_in_the_loss_matches_k1_in_the_reward_for_one_token_responses():
     """With one-token responses there is no future KL: k2 in the loss (token mean) is k1 in the reward on-policy."""
-    grammar = make_grammar(0, n_words=6, max_new_tokens=1)
+    grammar = make_grammar(**{**TINY_TASK, "seed": 0, "n_words": 6, "max_new_tokens": 1})
     g = torch.Generator().manual_seed(0)
     prompts = sample_prompts(grammar, 32, g)
     policy, ref = tiny_lm(grammar, seed=3), tiny_lm(grammar, seed=4)
