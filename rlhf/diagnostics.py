@@ -58,7 +58,7 @@ from rlhf import kl as K
 from rlhf.algorithms import ALGORITHMS, AdvantageParams
 from rlhf.config import PPOConfig
 from rlhf.model import generate, logprobs_from_logits, response_logits
-from rlhf.task import EOS, Grammar, response_mask
+from rlhf.task import EOS, Task, response_mask
 
 TRUE_CHUNKS = 8  # the true gradient is averaged over this many chunks of n_true / 8 samples (its standard error)
 
@@ -102,7 +102,7 @@ def flat_grad(scalar: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double() for g, p in zip(grads, params)])
 
 
-def true_gradient(policy, ref_policy, train_prompts, grammar: Grammar, temperature: float, n: int, gen):
+def true_gradient(policy, ref_policy, train_prompts, task: Task, temperature: float, n: int, gen):
     """g* estimated from ``n`` fresh samples of ``policy`` (prompts uniform over ``train_prompts``): returns
     (mean gradient (P,), trace of the variance of that mean), from TRUE_CHUNKS chunks of n // TRUE_CHUNKS."""
     params = list(policy.parameters())
@@ -111,7 +111,7 @@ def true_gradient(policy, ref_policy, train_prompts, grammar: Grammar, temperatu
     for _ in range(TRUE_CHUNKS):
         idx = torch.randint(0, len(train_prompts), (size,), generator=gen, device=train_prompts.device)
         prompts = train_prompts[idx]
-        responses = generate(policy, prompts, grammar.max_new_tokens, temperature, gen, EOS)
+        responses = generate(policy, prompts, task.max_new_tokens, temperature, gen, EOS)
         logits = response_logits(policy, prompts, responses, temperature)
         with torch.no_grad():
             ref_logits = response_logits(ref_policy, prompts, responses, temperature)
@@ -158,7 +158,7 @@ def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen
 
 
 def gradient_diagnostics(
-    policy, value_model, opt, ref_policy, train_prompts, grammar: Grammar, cfg: PPOConfig, iteration: int,
+    policy, value_model, opt, ref_policy, train_prompts, task: Task, cfg: PPOConfig, iteration: int,
     sample: Callable, updates: Callable,
 ) -> list[dict]:  # fmt: skip
     """The diagnostic rows (on-policy, and off-policy when the arm takes more than one update per batch) at
@@ -167,7 +167,7 @@ def gradient_diagnostics(
     iteration's batch. Works on copies with its own generator: the run itself is unchanged."""
     d = cfg.diagnostics
     gen = torch.Generator(device=train_prompts.device).manual_seed(d.seed * 1_000_003 + iteration)
-    truth_at = lambda pol: true_gradient(pol, ref_policy, train_prompts, grammar, cfg.temperature, d.n_true, gen)
+    truth_at = lambda pol: true_gradient(pol, ref_policy, train_prompts, task, cfg.temperature, d.n_true, gen)
     base = {"iteration": iteration}
     truth, truth_var = truth_at(policy)
     est = arm_estimates(cfg, policy, policy, sample, gen)

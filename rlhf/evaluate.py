@@ -1,15 +1,20 @@
 """The one measurement every arm gets, whatever its KL variant: held-out prompts, the same sampling seed.
 
-For responses sampled from the current policy on ``eval_prompts`` (``response_stats`` for any responses):
-    gold       mean gold reward (task.gold_reward)
-    proxy      mean proxy reward-model score (the raw score, without PPO's missing-EOS replacement)
+For responses sampled from the current policy on each evaluation set (``response_stats`` for any responses):
+    gold       mean gold reward (``task.gold``: the exact gold reward, or the verifier)
+    proxy      mean proxy reward-model score (learned-reward tasks only; the raw score, without PPO's missing-EOS
+               replacement)
     kl         mean over prompts of sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t)), exact over the vocabulary at each
-               response position (kl.full_kl), never the arm's own training estimator
+               response position (kl.full_kl), never the arm's own training estimator; fp32 whatever the
+               training precision
     entropy    mean per-token entropy of the policy on response tokens (nats)
     length     mean response length in tokens (EOS included; an empty response has length 1)
     empty      share of empty responses (EOS first)
     truncated  share of responses without EOS within max_new_tokens
-    illegal    mean fraction of response tokens that break the grammar (the proxy's blind spot)
+    <metric>   the mean of each of the task's own metrics (grammar: illegal, the share of words that break the
+               grammar, the proxy's blind spot; arithmetic: accuracy, format_error)
+The in-domain set's keys are plain; another set's (e.g. arithmetic's held-out operation, "ood") are prefixed
+with its name and "_".
 
 ``degenerate_responses`` builds the policies the gold reward must rank below the SFT policy (silence, a repeated
 word, random words, truncated SFT text), for the task's sanity checks.
@@ -20,49 +25,63 @@ from __future__ import annotations
 import torch
 
 from rlhf.kl import entropy, full_kl, masked_mean
-from rlhf.model import ScalarModel, TinyLM, generate, response_logits
+from rlhf.model import ScalarModel, TinyLM, full_precision, generate, response_logits
 from rlhf.reward_model import score
-from rlhf.task import EOS, N_SPECIAL, Grammar, gold_reward, illegal_fraction, response_mask
+from rlhf.task import EOS, N_SPECIAL, Grammar, Task, response_mask
 
 
 @torch.no_grad()
 def response_stats(
-    reward_model: ScalarModel, grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor
+    reward_model: ScalarModel | None, task: Task, prompts: torch.Tensor, responses: torch.Tensor
 ) -> dict[str, float]:
-    """gold, proxy, length, empty, truncated and illegal (module docstring) of prompts (n, p), responses (n, t)."""
-    return {
-        "gold": gold_reward(grammar, prompts, responses).mean().item(),
-        "proxy": score(reward_model, prompts, responses).mean().item(),
+    """gold, proxy (with a reward model), length, empty, truncated and the task's metrics (module docstring) of
+    prompts (n, p), responses (n, t)."""
+    out = {"gold": task.gold(prompts, responses).mean().item()}
+    if reward_model is not None:
+        out["proxy"] = score(reward_model, prompts, responses).mean().item()
+    out |= {
         "length": response_mask(responses).sum(1).mean().item(),
         "empty": (responses[:, 0] == EOS).float().mean().item(),
         "truncated": (responses != EOS).all(1).float().mean().item(),
-        "illegal": illegal_fraction(grammar, prompts, responses).mean().item(),
     }
+    return out | {k: v.mean().item() for k, v in task.metrics(prompts, responses).items()}
 
 
 @torch.no_grad()
-def evaluate(
-    policy: TinyLM,
-    ref_policy: TinyLM,
-    reward_model: ScalarModel,
-    grammar: Grammar,
-    eval_prompts: torch.Tensor,
-    temperature: float,
-    seed: int,
-) -> dict[str, float]:
-    g = torch.Generator(device=eval_prompts.device).manual_seed(seed)
-    responses = generate(policy, eval_prompts, grammar.max_new_tokens, temperature, g, EOS)  # (n, t)
+def measure(policy, ref_policy, reward_model, task: Task, prompts: torch.Tensor, temperature: float, seed: int):
+    """The module docstring's measurement on one set of prompts (n, p), sampled with generator seed ``seed``."""
+    g = torch.Generator(device=prompts.device).manual_seed(seed)
+    responses = generate(policy, prompts, task.max_new_tokens, temperature, g, EOS)  # (n, t)
     mask = response_mask(responses)  # (n, t)
-    logits = response_logits(policy, eval_prompts, responses, temperature)  # (n, t, V)
-    ref_logits = response_logits(ref_policy, eval_prompts, responses, temperature)
-    stats = response_stats(reward_model, grammar, eval_prompts, responses)
+    with full_precision(policy, ref_policy):
+        logits = response_logits(policy, prompts, responses, temperature)  # (n, t, V)
+        ref_logits = response_logits(ref_policy, prompts, responses, temperature)
+    stats = response_stats(reward_model, task, prompts, responses)
+    first = {k: stats.pop(k) for k in ("gold", "proxy") if k in stats}
     return {
-        "gold": stats.pop("gold"),
-        "proxy": stats.pop("proxy"),
+        **first,
         "kl": (full_kl(logits, ref_logits) * mask).sum(1).mean().item(),
         "entropy": masked_mean(entropy(logits), mask).item(),
         **stats,
     }
+
+
+def evaluate(
+    policy: TinyLM,
+    ref_policy: TinyLM,
+    reward_model: ScalarModel | None,
+    task: Task,
+    eval_sets: dict[str, torch.Tensor],
+    temperature: float,
+    seed: int,
+) -> dict[str, float]:
+    """``measure`` on every evaluation set: {"": in-domain prompts, "ood": ..., ...}; keys of a named set are
+    prefixed with its name and "_". Every set is sampled with the same ``seed``."""
+    out = {}
+    for name, prompts in eval_sets.items():
+        stats = measure(policy, ref_policy, reward_model, task, prompts, temperature, seed)
+        out |= {(f"{name}_{k}" if name else k): v for k, v in stats.items()}
+    return out
 
 
 def keep_words(responses: torch.Tensor, k: int) -> torch.Tensor:

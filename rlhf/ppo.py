@@ -4,7 +4,7 @@ One iteration of ``train_ppo``, as in openai/lm-human-preferences `train_policy.
 (arXiv 2403.17031):
     1. generate responses from the policy (group_size per prompt)
     2. log-probs under the policy (old, rollout-time) and the reference; exact KL to the reference; values
-    3. score with the proxy reward model at the last response token
+    3. score: the proxy reward model at the last response token (RLHF), or the task's verifier (RLVR)
     4. rewards: score at the last token, minus the reward-side KL per token (computed once per rollout)
     5. optionally whiten rewards
     6. advantages: the algorithm's one advantage function (``rlhf.algorithms``)
@@ -29,8 +29,8 @@ from rlhf.config import PPOConfig
 from rlhf.diagnostics import gradient_diagnostics
 from rlhf.evaluate import evaluate
 from rlhf.model import ScalarModel, TinyLM, adam, generate, logprobs_from_logits, response_logits
-from rlhf.reward_model import missing_eos, score
-from rlhf.task import EOS, Grammar, gold_reward, response_mask
+from rlhf.reward_model import init_reward_model, missing_eos, score
+from rlhf.task import EOS, Task, response_mask
 
 
 class Trajectory(NamedTuple):
@@ -45,7 +45,7 @@ class Trajectory(NamedTuple):
     ref_logprobs: torch.Tensor  # (b, t)
     kl_to_ref: torch.Tensor  # (b,) exact sum_t KL(pi_old || pi_ref) to the frozen SFT reference
     values: torch.Tensor | None  # (b, t) critic's values; None without a critic
-    scores: torch.Tensor | None  # (b,) proxy reward, set at step 3
+    scores: torch.Tensor | None  # (b,) proxy reward or verifier, set at step 3
 
 
 class Batch(NamedTuple):
@@ -93,10 +93,10 @@ def draw_prompts(train_prompts: torch.Tensor, n: int, group_size: int, g: torch.
 
 
 @torch.no_grad()
-def rollout(policy, ref_policy, train_ref, value_model, prompts, grammar: Grammar, temperature: float, g):
+def rollout(policy, ref_policy, train_ref, value_model, prompts, task: Task, temperature: float, g):
     """Steps 1-2: sample responses to ``prompts`` (b, p), log-probs under the policy and the training reference,
     the exact KL to the frozen reference ``ref_policy``, values. -> Trajectory without scores."""
-    responses = generate(policy, prompts, grammar.max_new_tokens, temperature, g, EOS)  # (b, t)
+    responses = generate(policy, prompts, task.max_new_tokens, temperature, g, EOS)  # (b, t)
     mask = response_mask(responses)  # (b, t)
     logits = response_logits(policy, prompts, responses, temperature)  # (b, t, V)
     logprobs = logprobs_from_logits(logits, responses)  # (b, t)
@@ -188,46 +188,66 @@ def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cf
     return stats, batch
 
 
+def scorer(reward_model: ScalarModel | None, task: Task, missing_eos_score: float | None):
+    """Step 3's score of (prompts (b, p), responses (b, t)) -> (b,): the proxy reward model at the last response
+    token, with the missing-EOS score if configured (Huang et al. 2024), for a learned-reward task; the task's own
+    verifier (``task.gold``) for a verifier task, which already judges a response without EOS."""
+    if task.reward == "verifier":
+        return task.gold
+    return lambda prompts, responses: missing_eos(score(reward_model, prompts, responses), responses, missing_eos_score)
+
+
 def train_ppo(
     policy: TinyLM,
     ref_policy: TinyLM,
-    reward_model: ScalarModel,
-    grammar: Grammar,
+    reward_model: ScalarModel | None,
+    task: Task,
     train_prompts: torch.Tensor,
-    eval_prompts: torch.Tensor,
+    eval_sets: dict[str, torch.Tensor] | torch.Tensor,
     cfg: PPOConfig,
     progress: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Runs ``cfg.algorithm`` in place on ``policy``. Returns {"history": per-iteration dicts, "evals": held-out
-    measurements every ``eval_every`` iterations (and at 0 and the end), "summary": the final measurement,
-    "diagnostics": gradient-diagnostic rows (empty unless ``cfg.diagnostics``)}."""
+    """Runs ``cfg.algorithm`` in place on ``policy``. ``reward_model``: the proxy of a learned-reward task (None for
+    a verifier task); ``eval_sets``: held-out prompts by name ({"": in-domain, "ood": ...}, rlhf.evaluate; a tensor
+    is the in-domain set alone).
+    Returns {"history": per-iteration dicts, "evals": held-out measurements every ``eval_every`` iterations (and at
+    0 and the end), "summary": the final measurement, "diagnostics": gradient-diagnostic rows (empty unless
+    ``cfg.diagnostics``)}."""
+    if (task.reward == "learned") != (reward_model is not None):
+        need = "a reward model" if task.reward == "learned" else "no reward model"
+        raise ValueError(f"a task with a {task.reward!r} reward needs {need}")
+    eval_sets = eval_sets if isinstance(eval_sets, dict) else {"": eval_sets}
     kc = cfg.kl
     device = train_prompts.device
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     critic = ALGORITHMS[cfg.algorithm].critic
-    value_model = copy.deepcopy(reward_model) if critic else None  # initialised from the RM (Huang et al.)
+    # value model initialised from the reward model (Huang et al.), or from the SFT backbone with a new head
+    value_model = None
+    if critic:
+        value_model = copy.deepcopy(reward_model) if reward_model is not None else init_reward_model(ref_policy)
+    score_fn = scorer(reward_model, task, cfg.missing_eos_score)
     params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
     opt = adam(params, lr=cfg.lr, eps=1e-5)
     ctl = K.controller(kc)
     train_ref = ref_policy if kc.ref_sync_every is None else copy.deepcopy(ref_policy)  # moving reference
     measure = lambda it: {
         "iteration": it,
-        **evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, cfg.temperature, cfg.eval_seed),
+        **evaluate(policy, ref_policy, reward_model, task, eval_sets, cfg.temperature, cfg.eval_seed),
     }
     history, evals, diagnostics = [], [measure(0)], []
 
     def sample(pol, n, gen):  # steps 1-2 for n responses of ``pol``, for the gradient diagnostics
         prompts = draw_prompts(train_prompts, n, cfg.group_size, gen)
-        return rollout(pol, ref_policy, train_ref, None, prompts, grammar, cfg.temperature, gen)
+        return rollout(pol, ref_policy, train_ref, None, prompts, task, cfg.temperature, gen)
 
     for it in range(1, cfg.iterations + 1):
         kl_coef = ctl.value
         # 1-2. generate; log-probs under the policy (old) and the reference, exact KL to the reference; values
         prompts = draw_prompts(train_prompts, cfg.batch_size, cfg.group_size, g)
-        traj = rollout(policy, ref_policy, train_ref, value_model, prompts, grammar, cfg.temperature, g)
-        # 3. score at the last response token (a fixed score for a response without EOS, if configured)
-        scores = missing_eos(score(reward_model, traj.prompts, traj.responses), traj.responses, cfg.missing_eos_score)
+        traj = rollout(policy, ref_policy, train_ref, value_model, prompts, task, cfg.temperature, g)
+        # 3. score: proxy at the last response token (missing-EOS score if configured), or the verifier
+        scores = score_fn(traj.prompts, traj.responses)  # (b,)
         check_finite("scores", scores, it)
         traj = traj._replace(scores=scores)
         # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm
@@ -238,7 +258,7 @@ def train_ppo(
         if cfg.diagnostics is not None and it in cfg.diagnostics.at:  # on copies, with their own generator
             updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, it=it)
             diagnostics += gradient_diagnostics(
-                policy, value_model, opt, ref_policy, train_prompts, grammar, cfg, it, sample, updates
+                policy, value_model, opt, ref_policy, train_prompts, task, cfg, it, sample, updates
             )
         # 7. epochs x minibatches of clipped updates (loss-side KL)
         stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, g, it)
@@ -254,7 +274,7 @@ def train_ppo(
             **stats,
             "kl_exact": traj.kl_to_ref.mean().item(),
             "score": scores.mean().item(),
-            "gold_train": gold_reward(grammar, traj.prompts, traj.responses).mean().item(),
+            "gold_train": task.gold(traj.prompts, traj.responses).mean().item(),
             "length": traj.mask.sum(1).mean().item(),
         }
         history.append(row)

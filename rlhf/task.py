@@ -36,12 +36,34 @@ property of the data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 
 BOS, EOS = 0, 1
 N_SPECIAL = 2
 POWER_STEPS = 2000  # power iterations for the word frequencies (the lazy chain has converged to float64 long before)
+
+
+class Task(Protocol):
+    """What training and evaluation need from a task (``Grammar`` below; ``rlhf.arithmetic.Arithmetic``).
+
+    Prompts are (b, prompt_len) long with BOS first; responses (b, max_new_tokens) long, EOS then EOS padding
+    (``response_mask``); tokens are ids in [0, vocab_size). ``reward`` says what PPO optimises: "learned" (RLHF: a
+    reward model trained on gold-labelled preferences stands in for gold, which it only approximates) or
+    "verifier" (RLVR: ``gold`` itself is the score). ``metrics`` are the task's own per-response measurements
+    (e.g. the share of ungrammatical words, or accuracy and format errors), reported beside gold."""
+
+    reward: ClassVar[str]
+    prompt_len: int
+    max_new_tokens: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def gold(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor: ...
+
+    def metrics(self, prompts: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +83,19 @@ class Grammar:
     prompt_len: int
     max_new_tokens: int
 
+    reward: ClassVar[str] = "learned"  # PPO optimises a proxy reward model trained on gold preferences
+
     @property
     def vocab_size(self) -> int:
         return self.transition.shape[0]
+
+    def gold(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """``gold_reward``: prompts (b, p), responses (b, t) -> (b,)."""
+        return gold_reward(self, prompts, responses)
+
+    def metrics(self, prompts: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{'illegal': share of ungrammatical words per response}, each (b,) (the proxy's blind spot)."""
+        return {"illegal": illegal_fraction(self, prompts, responses)}
 
 
 def make_grammar(

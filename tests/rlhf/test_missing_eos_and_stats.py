@@ -65,7 +65,7 @@ def test_response_stats_hand_computed(ppo_setup):
 
 def test_evaluate_reports_length_empty_truncated(ppo_setup):
     s = ppo_setup
-    out = evaluate(s.policy, s.ref, s.reward_model, s.grammar, s.eval_prompts, 1.0, 0)
+    out = evaluate(s.policy, s.ref, s.reward_model, s.grammar, {"": s.eval_prompts}, 1.0, 0)
     assert {"gold", "proxy", "kl", "entropy", "length", "empty", "truncated", "illegal"} == set(out)
     assert 1.0 <= out["length"] <= s.grammar.max_new_tokens
     assert 0.0 <= out["empty"] <= 1.0 and 0.0 <= out["truncated"] <= 1.0
