@@ -188,12 +188,12 @@ class MatchedParams(BaseModel):
 
 
 class Grid(BaseModel):
-    """Arms x coefficients (fixed cells) and arms x KL targets (matched cells), each with every PPO seed, on
-    every instance of every task; plus the no-KL baseline once per instance and seed."""
+    """The arms (the same for every task), the PPO seeds within each task instance, and the matched-KL controller.
+    Cells: each task's instances x (no-KL baseline + arms x the task's coefs + arms x the task's kl_targets) x
+    seeds."""
 
     model_config = STRICT
     arms: dict[str, Arm]
-    coefs: list[FiniteFloat]
     seeds: list[Seed]
     matched: MatchedParams
 
@@ -209,39 +209,12 @@ class Grid(BaseModel):
                 raise ValueError(f"arm name {name!r} must match [a-z][a-z0-9_]* (it becomes part of a stage name)")
         return arms
 
-    @field_validator("coefs", mode="before")
-    @classmethod
-    def _coefs_as_written(cls, coefs):
-        # DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient.
-        if isinstance(coefs, list):
-            for c in coefs:
-                if isinstance(c, int) and not isinstance(c, bool):
-                    raise ValueError(f"write every coefficient as a decimal number ({c}.0, not {c})")
-        return coefs
-
-    @field_validator("coefs")
-    @classmethod
-    def _coefs(cls, coefs):
-        if not coefs:
-            raise ValueError("must list at least one coefficient")
-        bad = [c for c in coefs if not 0 < c <= 1_000]
-        if bad:
-            raise ValueError(
-                f"every coefficient must be in (0, 1000] (got {bad[0]}); the no-KL baseline runs by itself"
-            )
-        if len(set(coefs)) != len(coefs):
-            raise ValueError(f"duplicate coefficient in {coefs}")
-        return coefs
-
     @field_validator("seeds")
     @classmethod
     def _seeds(cls, seeds):
         if not seeds:
             raise ValueError("must list at least one seed")
-        dup = sorted({s for s in seeds if seeds.count(s) > 1})
-        if dup:
-            raise ValueError(f"duplicate seed {dup[0]} in {seeds}")
-        return seeds
+        return _distinct("seed", seeds)
 
 
 MetricName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
@@ -304,24 +277,49 @@ def _distinct(name: str, values: list) -> list:
     return values
 
 
-class GrammarParams(BaseModel):
-    """Task 1, RLHF: a learned proxy reward model optimised in place of the exact gold reward (rlhf/task.py).
+def _coefs_as_written(coefs):
+    """DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient."""
+    if isinstance(coefs, list):
+        for c in coefs:
+            if isinstance(c, int) and not isinstance(c, bool):
+                raise ValueError(f"write every coefficient as a decimal number ({c}.0, not {c})")
+    return coefs
 
-    Each instance is a task seed: its own grammar, prompts, demonstrations, SFT model and reward model."""
+
+class TaskSection(BaseModel):
+    """What every task section has: its instances (each a task seed with its own data and SFT model), models, SFT,
+    PPO values and the strengths of its KL arms (fixed coefficients, and KL targets for the matched cells).
+    Coefficients and targets are per task because each task's KL lives on its own scale."""
 
     model_config = STRICT
     instances: list[Seed]
-    task: GrammarTaskParams
     model: ModelParams
     sft: SFTParams
-    rm: RMParams
     ppo: PPODefaults
+    coefs: list[FiniteFloat] = Field(description="fixed cells: every arm at each of these coefficients")
     kl_targets: list[FiniteFloat] = Field(description="matched-KL cells: nats per response, exact KL to the SFT model")
 
     @field_validator("instances")
     @classmethod
     def _instances(cls, v):
         return _distinct("instance", v)
+
+    @field_validator("coefs", mode="before")
+    @classmethod
+    def _written(cls, v):
+        return _coefs_as_written(v)
+
+    @field_validator("coefs")
+    @classmethod
+    def _coefs(cls, coefs):
+        if not coefs:
+            raise ValueError("must list at least one coefficient")
+        bad = [c for c in coefs if not 0 < c <= 1_000]
+        if bad:
+            raise ValueError(
+                f"every coefficient must be in (0, 1000] (got {bad[0]}); the no-KL baseline runs by itself"
+            )
+        return _distinct("coefficient", coefs)
 
     @field_validator("kl_targets")
     @classmethod
@@ -332,12 +330,6 @@ class GrammarParams(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self):
-        hf = self.model.hf
-        if hf is not None and hf.tokens is not None and len(hf.tokens) != self.task.n_words + 2:
-            raise ValueError(
-                f"model.hf.tokens must list BOS, EOS and the {self.task.n_words} words ({self.task.n_words + 2} "
-                f"tokens; got {len(hf.tokens)})"
-            )
         if self.sft.n_heldout >= self.task.n_demos:
             raise ValueError(
                 f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
@@ -350,6 +342,59 @@ class GrammarParams(BaseModel):
         return PPOConfig(**{**self.ppo.model_dump(exclude={"kl", "seed"}), **overrides}, kl=kl, seed=seed)
 
 
+class GrammarParams(TaskSection):
+    """Task 1, RLHF (rlhf/task.py): PPO optimises a proxy reward model trained on gold-labelled preferences, in
+    place of the exact gold reward it approximates. Each instance has its own grammar, prompts, demonstrations, SFT
+    model and reward model."""
+
+    task: GrammarTaskParams
+    rm: RMParams
+
+    @model_validator(mode="after")
+    def _tokens(self):
+        hf = self.model.hf
+        if hf is not None and hf.tokens is not None and len(hf.tokens) != self.task.n_words + 2:
+            raise ValueError(
+                f"model.hf.tokens must list BOS, EOS and the {self.task.n_words} words ({self.task.n_words + 2} "
+                f"tokens; got {len(hf.tokens)})"
+            )
+        return self
+
+
+class ArithmeticTaskParams(BaseModel):
+    """Fixed-width addition with subtraction held out (rlhf/arithmetic.py has the verifier and the splits); the
+    instance seeds the split of operand pairs and every draw."""
+
+    model_config = STRICT
+    n_digits: int = Field(ge=1, le=4)
+    max_new_tokens: int = Field(ge=3, le=1_000, description="at least n_digits + 2: the answer digits and EOS")
+    carry_drop: FiniteFloat = Field(ge=0.0, le=1.0, description="chance a demonstration drops each carry/borrow")
+    sub_fraction: FiniteFloat = Field(ge=0.0, le=1.0, description="share of subtractions among demonstrations")
+    eval_fraction: FiniteFloat = Field(gt=0.0, lt=1.0, description="share of operand pairs held out for evaluation")
+    rl_fraction: FiniteFloat = Field(gt=0.0, lt=1.0, description="share of operand pairs whose sums are RL prompts")
+    format_penalty: FiniteFloat = Field(ge=0.0, le=100.0, description="gold cost of a malformed response")
+    n_demos: int = Field(gt=0, le=10_000_000)
+    n_train_prompts: int = Field(gt=0, le=10_000_000)
+    n_eval_prompts: int = Field(gt=0, le=1_000_000, description="each for the in-domain and the OOD set")
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.max_new_tokens < self.n_digits + 2:
+            raise ValueError(
+                f"max_new_tokens must be >= n_digits + 2 = {self.n_digits + 2} (got {self.max_new_tokens})"
+            )
+        if self.eval_fraction + self.rl_fraction >= 1:
+            raise ValueError("eval_fraction + rl_fraction must leave a share of operand pairs for the SFT pool")
+        return self
+
+
+class ArithmeticParams(TaskSection):
+    """Task 2, RLVR (rlhf/arithmetic.py): PPO optimises the exact verifier itself, no reward model. Gold is
+    in-domain accuracy (addition), ood_gold accuracy on the operation RL never sees (subtraction)."""
+
+    task: ArithmeticTaskParams
+
+
 class MLflowParams(BaseModel):
     model_config = STRICT
     experiment: str = Field(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")
@@ -358,6 +403,7 @@ class MLflowParams(BaseModel):
 class Params(BaseModel):
     model_config = STRICT
     grammar: GrammarParams
+    arithmetic: ArithmeticParams
     grid: Grid
     analysis: AnalysisParams
     mlflow: MLflowParams
@@ -376,22 +422,22 @@ class Params(BaseModel):
             )
         m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
-            for kl in [{"coef": c} for c in self.grid.coefs] + [
-                {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
-            ]:
-                try:
-                    for section in self.tasks().values():
+            for section in self.tasks().values():
+                for kl in [{"coef": c} for c in section.coefs] + [
+                    {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
+                ]:
+                    try:
                         section.ppo_config(arm.kl(**kl), 0, **arm.ppo_overrides())
-                except ValidationError as e:
-                    raise ValueError(f"grid.arms.{name}: {_message(e.errors()[0])}") from None
+                    except ValidationError as e:
+                        raise ValueError(f"grid.arms.{name}: {_message(e.errors()[0])}") from None
         return self
 
-    def tasks(self) -> dict[str, GrammarParams]:
+    def tasks(self) -> dict[str, TaskSection]:
         """The task sections that run, by task name (a task with no instances does not run)."""
         return {name: section for name in TASKS if (section := getattr(self, name)).instances}
 
 
-TASKS = ("grammar",)  # the task sections of params.yaml, in report order
+TASKS = ("grammar", "arithmetic")  # the task sections of params.yaml, in report order (rlhf/tasks.py names them)
 
 
 # ---------------------------------------------------------------- messages

@@ -3,7 +3,7 @@
 For every task with instances (params.yaml ``grammar``, ...), every instance i and PPO seed s:
 
     <task>_baseline@<i>-<s>                     the no-KL arm ("none")
-    <task>_fixed@<i>-<arm>-<coef>-<s>           each arm at each fixed coefficient (grid.coefs)
+    <task>_fixed@<i>-<arm>-<coef>-<s>           each arm at each of the task's fixed coefficients (<task>.coefs)
     <task>_matched@<i>-<arm>-<target>-<s>       each arm steered by the adaptive controller to each KL target
 
 exactly as DVC names the matrix stages of dvc.yaml (``stage_name`` is the one function that makes them, the way
@@ -81,7 +81,7 @@ def cells(params: Params) -> list[Cell]:
             out += [Cell(task, "baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
             for arm, spec in g.arms.items():
                 ppo = tuple(spec.ppo_overrides().items())
-                for coef in g.coefs:
+                for coef in section.coefs:
                     out += [Cell(task, "fixed", i, arm, s, spec.kl(coef), coef=coef, ppo=ppo) for s in g.seeds]
                 for target in section.kl_targets:
                     kl = spec.kl(g.matched.init_coef, adaptive_target=target, horizon=g.matched.horizon)
@@ -98,5 +98,6 @@ def find_cell(params: Params, stage: str) -> Cell:
 
 
 def upstream_stages(params: Params) -> list[str]:
-    """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and reward models."""
-    return [f"{task}_rm" for task in params.tasks()]
+    """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
+    task) reward models."""
+    return [f"{task}_rm" if hasattr(section, "rm") else f"{task}_sft" for task, section in params.tasks().items()]

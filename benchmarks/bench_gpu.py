@@ -33,7 +33,7 @@ from bench_backends import Bench, build, sizes
 
 from ablations.config import load_params
 from ablations.grid import cells
-from pipelines.common import load_grammar
+from pipelines.common import load_task
 from pipelines.data import build as build_task
 from rlhf import hf
 from rlhf.model import ScalarModel
@@ -80,7 +80,7 @@ def worker(args) -> None:
     params = load_params()
     s = sizes(params)
     task = build_task(params.task)
-    grammar = load_grammar(task)
+    grammar = load_task(task)
     mid = params.grid.coefs[len(params.grid.coefs) // 2]
     cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
     cfg = params.ppo_config(cell.kl, cell.seed)

@@ -28,7 +28,7 @@ REPORTS_DIR = Path("reports")
 def protocol_keys(task: str) -> list[str]:
     """The params.yaml keys of the pre-registered protocol the lock watches: the analysis section and the design
     values it judges (coefficients, KL targets)."""
-    return ["analysis", "grid.coefs", f"{task}.kl_targets"]
+    return ["analysis", f"{task}.coefs", f"{task}.kl_targets"]
 
 
 def main(

@@ -16,7 +16,8 @@ from torch import nn
 from ablations.config import ModelParams
 from pipelines import cpu
 from rlhf.model import ScalarModel, TinyLM, default_device
-from rlhf.task import Grammar
+from rlhf.task import Task
+from rlhf.tasks import task_from_state
 
 THREADS_ENV = "RLHF_THREADS"
 
@@ -114,8 +115,15 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, weights_only=True, map_location="cpu")
 
 
-def load_grammar(task: dict) -> Grammar:
-    return Grammar(**task["grammar"])
+def load_task(data: dict) -> Task:
+    """The task instance a data/<task>/<i>/task.pt holds."""
+    return task_from_state(data["task"])
+
+
+def eval_sets(data: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The held-out prompt sets of a task instance: {"": in-domain, "ood": out-of-domain if the task has one}."""
+    sets = {"": data["eval_prompts"], "ood": data.get("ood_prompts")}
+    return {k: v.to(device) for k, v in sets.items() if v is not None}
 
 
 def new_lm(arch: dict) -> nn.Module:

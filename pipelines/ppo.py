@@ -25,10 +25,11 @@ from pipelines import tracking
 from pipelines.common import (
     atomic_dir,
     data_path,
+    eval_sets,
     load_checkpoint,
-    load_grammar,
     load_lm,
     load_reward_model,
+    load_task,
     model_path,
     set_precision,
     setup,
@@ -40,6 +41,7 @@ from rlhf.ppo import train_ppo
 
 
 def to_csv(rows: list[dict]) -> str:
+    """Rows of dicts (the first row's keys are the columns) as CSV text."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()
@@ -68,11 +70,13 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
 def run_cell(params: Params, cell: Cell) -> dict:
     """Trains one cell and writes its outputs atomically. Returns its summary."""
     device = setup()
-    task = load_checkpoint(data_path(cell.task, cell.instance))
-    grammar = load_grammar(task)
+    data = load_checkpoint(data_path(cell.task, cell.instance))
+    task = load_task(data)
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
-    reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
-    set_precision(getattr(params, cell.task).model, ref, reward_model)  # the policy and value copies keep it
+    reward_model = None  # a verifier task scores with task.gold
+    if task.reward == "learned":
+        reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
+    set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
     cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
     axes = cell_axes(cell, cfg)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
@@ -82,9 +86,9 @@ def run_cell(params: Params, cell: Cell) -> dict:
                 copy.deepcopy(ref),
                 ref,
                 reward_model,
-                grammar,
-                task["train_prompts"].to(device),
-                task["eval_prompts"].to(device),
+                task,
+                data["train_prompts"].to(device),
+                eval_sets(data, device),
                 cfg,
                 progress=lambda row: bar.update(),
             )
@@ -96,6 +100,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
             write_json(tmp / "summary.json", summary)
             (tmp / "evals.csv").write_text(to_csv(out["evals"]))
             (tmp / "history.csv").write_text(to_csv(out["history"]))
+            (tmp / "diagnostics.csv").write_text(to_csv(out["diagnostics"]) if out["diagnostics"] else "")
             run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
             client.log_artifact(rid, str(tmp / "curves.png"))
     return summary

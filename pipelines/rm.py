@@ -5,6 +5,8 @@ python -m pipelines.rm grammar 0
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from scipy import stats
 from tqdm import tqdm
@@ -15,8 +17,8 @@ from pipelines.common import (
     data_path,
     derived_seed,
     load_checkpoint,
-    load_grammar,
     load_lm,
+    load_task,
     metrics_path,
     model_path,
     save_checkpoint,
@@ -69,8 +71,10 @@ def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device
 
 def main(argv: list[str] | None = None) -> None:
     params, task, section, instance = upstream_stage_args(argv, "rm")
+    if not hasattr(section, "rm"):
+        sys.exit(f"error: task {task!r} scores with its verifier; it has no reward-model stage")
     device = setup()
-    grammar = load_grammar(load_checkpoint(data_path(task, instance)))
+    grammar = load_task(load_checkpoint(data_path(task, instance)))
     sft_path = model_path(task, instance, "sft")
     sft = load_lm(sft_path, device)
     set_precision(section.model, sft)

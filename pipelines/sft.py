@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ablations.config import GrammarParams
+from ablations.config import TaskSection
 from pipelines import tracking
 from pipelines.common import (
     build_lm,
     data_path,
     load_checkpoint,
-    load_grammar,
+    load_task,
     metrics_path,
     model_path,
     save_checkpoint,
@@ -27,14 +27,14 @@ from rlhf.model import TinyLM
 from rlhf.sft import response_nll, train_sft
 
 
-def fit(section: GrammarParams, seed: int, task: dict, device: torch.device) -> tuple[TinyLM, dict, dict, list]:
+def fit(section: TaskSection, seed: int, data: dict, device: torch.device) -> tuple[TinyLM, dict, dict, list]:
     """SFT of task instance ``seed`` (the instance seeds the initialisation and the batches).
     Returns (model, arch, metrics, per-step losses)."""
     p = section.sft
-    grammar = load_grammar(task)
-    prompts, responses = task["demo_prompts"].to(device), task["demo_responses"].to(device)
+    task = load_task(data)
+    prompts, responses = data["demo_prompts"].to(device), data["demo_responses"].to(device)
     torch.manual_seed(seed)
-    model, arch = build_lm(section.model, grammar.vocab_size, grammar.prompt_len + grammar.max_new_tokens)
+    model, arch = build_lm(section.model, task.vocab_size, task.prompt_len + task.max_new_tokens)
     model = model.to(device)
     set_precision(section.model, model)
     n = p.n_heldout  # the last demonstrations are held out for the NLL

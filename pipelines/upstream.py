@@ -1,4 +1,4 @@
-"""data -> sft -> rm in one process, without files: for the benchmark, the figure script and the slow tests."""
+"""data -> sft (-> rm) in one process, without files: for the benchmarks, the figure script and the slow tests."""
 
 from __future__ import annotations
 
@@ -6,19 +6,21 @@ import torch
 
 from ablations.config import Params
 from pipelines import data, rm, sft
-from pipelines.common import load_grammar
+from pipelines.common import load_task
 from rlhf.model import ScalarModel, TinyLM
-from rlhf.task import Grammar
+from rlhf.task import Task
 
 
 def build_upstream(
-    params: Params, instance: int, device: torch.device
-) -> tuple[dict, Grammar, TinyLM, ScalarModel, dict]:
-    """Returns (task, grammar, SFT model, reward model, metrics of both) of grammar instance ``instance``, as the
-    DVC stages would make them."""
-    section = params.grammar
-    task = data.build(section.task, instance)
-    grammar = load_grammar(task)
-    sft_model, _, sft_metrics, _ = sft.fit(section, instance, task, device)
-    reward_model, rm_metrics, _ = rm.fit(section, instance, grammar, sft_model, device)
-    return task, grammar, sft_model, reward_model, {"sft": sft_metrics, "rm": rm_metrics}
+    params: Params, instance: int, device: torch.device, task_name: str = "grammar"
+) -> tuple[dict, Task, TinyLM, ScalarModel | None, dict]:
+    """Returns (data, task, SFT model, reward model (None for a verifier task), metrics) of instance ``instance``
+    of ``task_name``, as the DVC stages would make them."""
+    section = getattr(params, task_name)
+    instance_data = data.build(task_name, section.task, instance)
+    task = load_task(instance_data)
+    sft_model, _, sft_metrics, _ = sft.fit(section, instance, instance_data, device)
+    if task.reward != "learned":
+        return instance_data, task, sft_model, None, {"sft": sft_metrics}
+    reward_model, rm_metrics, _ = rm.fit(section, instance, task, sft_model, device)
+    return instance_data, task, sft_model, reward_model, {"sft": sft_metrics, "rm": rm_metrics}

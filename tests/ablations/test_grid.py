@@ -32,7 +32,7 @@ def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
 def params_text(coefs: list[str], seeds: list[str]) -> str:
     """The repository's params.yaml with these coefficients and seeds written verbatim."""
     p = repo_params()
-    p["grid"]["coefs"], p["grid"]["seeds"] = "COEFS", "SEEDS"
+    p["grammar"]["coefs"], p["grid"]["seeds"] = "COEFS", "SEEDS"
     text = yaml.safe_dump(p, sort_keys=False)
     return text.replace("COEFS", "[" + ", ".join(coefs) + "]").replace("SEEDS", "[" + ", ".join(seeds) + "]")
 
@@ -52,9 +52,9 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
     ours = {c.stage for c in cells(params)}
     theirs = dvc_stage_names(tmp_path, text)
     assert ours <= theirs
-    instances = params.grammar.instances
-    upstream = {f"grammar_{s}@{i}" for s in ("data", "sft", "rm") for i in instances}
-    assert theirs - ours == upstream | {"grammar_analysis"}
+    upstream = {f"grammar_{s}@{i}" for s in ("data", "sft", "rm") for i in params.grammar.instances}
+    upstream |= {f"arithmetic_{s}@{i}" for s in ("data", "sft") for i in params.arithmetic.instances}
+    assert theirs - ours == upstream | {"grammar_analysis", "arithmetic_analysis"}
 
 
 @pytest.mark.parametrize(
@@ -63,11 +63,11 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
         (["1"], ["0"], "write every coefficient as a decimal number"),  # DVC would name it ...-1-..., we 1.0
         (["0.1"], ["1.0"], "grid.seeds.0"),  # a float seed
         (["0.1"], ["true"], "grid.seeds.0"),  # a boolean seed
-        (["true"], ["0"], "grid.coefs.0"),  # a boolean coefficient
+        (["true"], ["0"], "grammar.coefs.0"),  # a boolean coefficient
         (["0.1", "1e-1"], ["0"], "duplicate coefficient"),  # two spellings, one value, one stage name
         (["0.1"], ["1", "01"], "duplicate seed 1"),
-        ([".inf"], ["0"], "grid.coefs.0"),
-        ([".nan"], ["0"], "grid.coefs.0"),
+        ([".inf"], ["0"], "grammar.coefs.0"),
+        ([".nan"], ["0"], "grammar.coefs.0"),
         (["0.1"], ["-1"], "grid.seeds.0"),
     ],
 )

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = {
     "grammar": {
         "instances": [0, 1],
+        "coefs": [0.1],
         "kl_targets": [0.05],
         "task": {
             "n_words": 8,
@@ -45,9 +46,17 @@ TINY = {
             "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
             "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
         },
-        "coefs": [0.1],
         "seeds": [0],
         "matched": {"init_coef": 0.1, "horizon": 100},
+    },
+    "arithmetic": {  # RLVR: no reward-model stage
+        "instances": [0],
+        "coefs": [0.1],
+        "kl_targets": [0.05],
+        "task": {"n_digits": 2, "max_new_tokens": 4, "n_demos": 400, "n_train_prompts": 64, "n_eval_prompts": 32},
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+        "sft": {"steps": 30, "batch_size": 32, "n_heldout": 100},
+        "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
     },
     "analysis": {"reference_arm": "reward_k1"},
     "mlflow": {"experiment": "e2e"},
@@ -55,12 +64,15 @@ TINY = {
 ARMS = ("reward_k1", "loss_k3")
 
 
-def cell_stages(instances=(0, 1)) -> set[str]:
+def cell_stages(instances=(0, 1), task="grammar") -> set[str]:
     out = set()
     for i in instances:
-        out |= {f"grammar_baseline@{i}-0"} | {f"grammar_fixed@{i}-{a}-0.1-0" for a in ARMS}
-        out |= {f"grammar_matched@{i}-{a}-0.05-0" for a in ARMS}
+        out |= {f"{task}_baseline@{i}-0"} | {f"{task}_fixed@{i}-{a}-0.1-0" for a in ARMS}
+        out |= {f"{task}_matched@{i}-{a}-0.05-0" for a in ARMS}
     return out
+
+
+ALL_CELLS = cell_stages() | cell_stages((0,), "arithmetic")  # 10 + 5
 
 
 def stage_env(repo: Path) -> dict:
@@ -118,9 +130,9 @@ def repo(tmp_path_factory) -> Path:
 
 def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     out = sh(repo, sys.executable, "-m", "ablations.run", "--workers", "2")
-    assert "10 of 10 grid cells to run" in out.stdout
-    finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/10\] \S+: gold ", line)]
-    assert len(finished) == 10, out.stdout  # one line per finished cell
+    assert "15 of 15 grid cells to run" in out.stdout
+    finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/15\] \S+: gold ", line)]
+    assert len(finished) == 15, out.stdout  # one line per finished cell
     stats = json.loads((repo / "reports/grammar/stats.json").read_text())
     assert stats and (repo / "reports/grammar/report.md").read_text().strip()
     status = sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout
@@ -128,8 +140,10 @@ def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     again = sh(repo, sys.executable, "-m", "dvc", "repro").stdout
     assert "Running stage" not in again, again
     runs = visible_runs(repo)
-    upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (0, 1)}
-    assert set(runs) == upstream | cell_stages() | {"grammar_analysis"}
+    upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (0, 1)} | {"arithmetic_sft@0"}
+    assert set(runs) == upstream | ALL_CELLS | {"grammar_analysis", "arithmetic_analysis"}  # no arithmetic_rm
+    arith = json.loads((repo / "runs/arithmetic/fixed/0-loss_k3-0.1-0/summary.json").read_text())
+    assert {"final_gold", "final_ood_gold", "final_accuracy", "final_kl"} <= set(arith) and "final_proxy" not in arith
     assert all(len(v) == 1 and v[0].info.status == "FINISHED" for v in runs.values())
     cell = runs["grammar_fixed@1-loss_k3-0.1-0"][0]
     assert cell.data.params["kl.estimator"] == "k3" and cell.data.tags["placement"] == "loss"
