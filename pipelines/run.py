@@ -33,11 +33,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from tqdm import tqdm
 
 from ablations.config import ParamsError, load_params
 from ablations.grid import Cell, cells, upstream_stages
@@ -241,6 +244,9 @@ def _init_worker(parent: int) -> None:
     runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so no worker outlives the runner."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_term)
+    # tqdm's default lock is a multiprocessing semaphore, which a stopped worker never unlinks (then Python's
+    # resource tracker warns at exit); one process needs only a thread lock.
+    tqdm.set_lock(threading.RLock())
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if os.getppid() != parent:  # the runner died before prctl took effect
@@ -282,7 +288,7 @@ class LocalPool:
     def close(self) -> None:
         self.pool.shutdown()
 
-    def stop(self) -> None:
+    def stop(self, pending) -> None:
         """Cancels the queued cells and stops the running ones: SIGTERM, then SIGKILL after GRACE_S."""
         procs = multiprocessing.active_children()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -295,7 +301,6 @@ class LocalPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self.pool.shutdown(wait=True)
 
 
 class RayPool:
@@ -308,12 +313,9 @@ class RayPool:
         env = {k: os.environ[k] for k in ("RLHF_THREADS", "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}
         ray.init(address=address, runtime_env={"env_vars": env})
         self.remote = ray.remote(num_cpus=1)(_cell_in_worker)
-        self.refs: set = set()
 
     def submit(self, *args):
-        ref = self.remote.remote(*args)
-        self.refs.add(ref)
-        return ref
+        return self.remote.remote(*args)
 
     def wait(self, pending: set, timeout: float) -> set:
         return set(self.ray.wait(list(pending), num_returns=1, timeout=timeout)[0])
@@ -324,8 +326,8 @@ class RayPool:
     def close(self) -> None:
         self.ray.shutdown()
 
-    def stop(self) -> None:
-        for ref in self.refs:
+    def stop(self, pending) -> None:
+        for ref in pending:
             with suppress(Exception):
                 self.ray.cancel(ref, force=True)
         self.ray.shutdown()
@@ -361,7 +363,7 @@ def run_cells(todo: list[Cell], backend, recorder: Recorder, sig: Signals, run_c
     finally:
         if pending:
             print(f"stopping {len(pending)} unfinished cells; recording the finished ones ...", flush=True)
-            backend.stop()
+            backend.stop(list(pending))
             tracking.fail_running(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
         else:
             backend.close()
