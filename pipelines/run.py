@@ -194,6 +194,7 @@ class Recorder:
         self.recorded: list[Cell] = []
         self.proc: subprocess.Popen | None = None
         self.last = float("-inf")
+        self.retried = False  # a commit killed by a signal is retried once
 
     def add(self, cell: Cell) -> None:
         self.waiting.append(cell)
@@ -204,20 +205,26 @@ class Recorder:
             self._collect()
         if self.proc is None and self.waiting and (flush or time.monotonic() - self.last >= self.every_s):
             self.batch, self.waiting = self.waiting, []
-            with open(self.log, "w") as log:
-                self.proc = subprocess.Popen(
-                    [*COMMIT, *(c.stage for c in self.batch)],
-                    env=self.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self._start()
+
+    def _start(self) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [*COMMIT, *(c.stage for c in self.batch)],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def _collect(self) -> None:
         rc, self.proc, self.last = self.proc.returncode, None, time.monotonic()
-        text = self.log.read_text()
+        if rc < 0 and not self.retried:  # killed (e.g. by the OOM killer): dvc.lock is whole, record the batch again
+            self.retried = True
+            return self._start()
         if rc:
-            raise RunnerError(f"recording {len(self.batch)} finished cells in dvc.lock failed: {_last_line(text)}")
+            why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else _last_line(self.log.read_text())
+            raise RunnerError(f"recording {len(self.batch)} finished cells in dvc.lock failed: {why}")
         self.recorded += self.batch
         print(f"dvc.lock: recorded {len(self.batch)} more finished cells ({len(self.recorded)} so far)", flush=True)
 
