@@ -17,7 +17,8 @@ Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) sto
 MLflow runs are marked FAILED), records the cells that finished, and exits with one line (status 130 or 143).
 A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
 reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
-when it is killed with SIGKILL; the cells recorded by then are kept, and the next run redoes the others.
+when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
+the MLflow runs the killed workers left RUNNING as FAILED).
 DVC writes dvc.lock through pipelines.lockfile, which only ever replaces it whole.
 """
 
@@ -247,15 +248,17 @@ def _exit_on_term(signum, frame) -> None:
 def _init_worker(parent: int) -> None:
     """Pool worker setup. Ctrl-C is the runner's to handle (a terminal sends it to every process of the foreground
     group), so workers ignore it. SIGTERM ends an idle worker at once; during a cell, tracking.stage_run turns it
-    into KeyboardInterrupt first, which marks the cell's MLflow run FAILED. And the worker gets SIGTERM when the
-    runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so no worker outlives the runner."""
+    into KeyboardInterrupt first, which marks the cell's MLflow run FAILED. And the kernel kills the worker when the
+    runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG; SIGKILL because an idle worker's main thread, blocked
+    in the task queue's semaphore, may never run a Python handler): the next runner start marks its MLflow run
+    FAILED and removes its temporary files."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_term)
     # tqdm's default lock is a multiprocessing semaphore, which a stopped worker never unlinks (then Python's
     # resource tracker warns at exit); one process needs only a thread lock.
     tqdm.set_lock(threading.RLock())
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the runner died before prctl took effect
         os._exit(EXIT[signal.SIGTERM])
 
