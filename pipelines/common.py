@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from pipelines.atomic import atomic_dir, temp_sibling, write_atomic, write_json  # noqa: F401 (the stages' writers)
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Grammar
 
@@ -18,10 +21,6 @@ METRICS = Path("metrics")
 THREADS_ENV = "RLHF_THREADS"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file (one line)."""
-
-
 def setup() -> torch.device:
     """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1)."""
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
@@ -29,11 +28,44 @@ def setup() -> torch.device:
     return default_device()
 
 
+@contextmanager
+def atomic_dir(path: Path):
+    """Yields a temporary sibling directory that replaces ``path`` only if the block finishes.
+
+    An interrupted stage leaves no half-written output that DVC or the analysis could take as complete."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        old = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        if path.exists():  # renamed aside, never left half-deleted; a kill before the rmtree leaves `old` behind
+            os.rename(path, old)  # for pipelines.leftovers.clean_temp
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file (one line)."""
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from pipelines.atomic import temp_sibling
+from pipelines.leftovers import temp_sibling
 
 LOCK = Path("dvc.lock")
 GOOD = Path(".dvc/tmp/runner/dvc.lock.good")  # .dvc/tmp is DVC's own scratch space (git-ignored)

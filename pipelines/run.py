@@ -39,6 +39,7 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager, suppress
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from tqdm import tqdm
@@ -46,7 +47,7 @@ from tqdm import tqdm
 from ablations.config import ParamsError, load_params
 from ablations.grid import Cell, cells, upstream_stages
 from pipelines import lockfile, tracking
-from pipelines.atomic import clean_temp
+from pipelines.leftovers import clean_temp
 
 STATE = Path(".dvc/tmp/runner")  # the runner's lock file and dvc.lock's last good copy (.dvc/tmp is git-ignored)
 DVC = [sys.executable, "-m", "pipelines.lockfile", "dvc"]  # DVC's CLI, dvc.lock replaced whole
@@ -253,6 +254,7 @@ def _init_worker(parent: int) -> None:
     in the task queue's semaphore, may never run a Python handler): the next runner start marks its MLflow run
     FAILED and removes its temporary files."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by LocalPool.submit until now
     signal.signal(signal.SIGTERM, _exit_on_term)
     # tqdm's default lock is a multiprocessing semaphore, which a stopped worker never unlinks (then Python's
     # resource tracker warns at exit); one process needs only a thread lock.
@@ -282,12 +284,21 @@ class LocalPool:
     """Cells in a process pool (spawned workers, one per core by default)."""
 
     def __init__(self, workers: int):
+        resource_tracker.ensure_running()  # before submit blocks Ctrl-C: starting it unblocks SIGINT (CPython 3.11)
         self.pool = ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(os.getpid(),)
         )
 
     def submit(self, *args):
-        return self.pool.submit(_cell_in_worker, *args)
+        """Queues a cell; a worker spawned here starts with Ctrl-C blocked (the signal mask survives exec), so a
+        Ctrl-C while it imports cannot kill it with a traceback; _init_worker ignores it, then unblocks it. The
+        runner gets a Ctrl-C of these moments when the mask is restored (multiprocessing starts its resource
+        tracker the same way)."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return self.pool.submit(_cell_in_worker, *args)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def wait(self, pending: set, timeout: float) -> set:
         return wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)[0]

@@ -84,42 +84,6 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
         signal.signal(signal.SIGTERM, previous)
 
 
-def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_key: str = "iteration") -> None:
-    """Logs a list of per-step dicts (e.g. PPO history) as metrics with ``step``, in batches."""
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    metrics = [
-        Metric(f"{prefix}{k}", float(v), now, int(row[step_key]))
-        for row in rows
-        for k, v in row.items()
-        if k != step_key and v is not None
-    ]
-    for i in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[i : i + 1000])
-
-
-def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
-    """Nested dict -> {"a.b": number} for its int/float leaves, keys made valid MLflow metric names."""
-    out = {}
-    for k, v in d.items():
-        key = re.sub(r"[^\w\-. :/]", "_", f"{prefix}{k}")
-        if isinstance(v, dict):
-            out.update(flatten_numbers(v, key + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-    return out
-
-
-def log_final(client, run_id: str, values: dict) -> None:
-    log_metrics(
-        client,
-        run_id,
-        [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
-        step_key="step",
-    )
-
-
 def _existing_store() -> str | None:
     """The tracking URI, or None when it names a sqlite file that does not exist (nothing was ever logged)."""
     uri = tracking_uri()
@@ -156,3 +120,39 @@ def fail_running(experiment: str, reason: str, stages: set[str] | None = None) -
         token = page.token
         if not token:
             return failed
+
+
+def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_key: str = "iteration") -> None:
+    """Logs a list of per-step dicts (e.g. PPO history) as metrics with ``step``, in batches."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(f"{prefix}{k}", float(v), now, int(row[step_key]))
+        for row in rows
+        for k, v in row.items()
+        if k != step_key and v is not None
+    ]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+
+
+def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
+    """Nested dict -> {"a.b": number} for its int/float leaves, keys made valid MLflow metric names."""
+    out = {}
+    for k, v in d.items():
+        key = re.sub(r"[^\w\-. :/]", "_", f"{prefix}{k}")
+        if isinstance(v, dict):
+            out.update(flatten_numbers(v, key + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+def log_final(client, run_id: str, values: dict) -> None:
+    log_metrics(
+        client,
+        run_id,
+        [{"step": 0, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}],
+        step_key="step",
+    )

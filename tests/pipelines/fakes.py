@@ -33,15 +33,18 @@ def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True) -> str:
 
 
 def sleepy(params, cell) -> dict:
-    """A cell: drops its pid, sleeps (briefly for the first FAKE_FAST cells), writes summary.json atomically."""
+    """A cell: drops its pid, sleeps (briefly for the first FAKE_FAST cells), writes summary.json atomically
+    (without torch, which pipelines.common imports)."""
     from ablations.grid import cells
-    from pipelines.atomic import atomic_dir, write_json
+    from pipelines.leftovers import temp_sibling
 
     (Path(os.environ["FAKE_DIR"]) / f"worker-{os.getpid()}").touch()
     fast = [c.stage for c in cells(params)][: int(os.environ.get("FAKE_FAST", "1000000"))]
     time.sleep(0.05 if cell.stage in fast else 60)
-    with atomic_dir(cell.out_dir) as tmp:
-        write_json(tmp / "summary.json", {"stage": cell.stage, "final_gold": float(cell.seed)})
+    tmp = temp_sibling(cell.out_dir)
+    tmp.mkdir(parents=True)
+    (tmp / "summary.json").write_text(json.dumps({"stage": cell.stage, "final_gold": float(cell.seed)}))
+    os.replace(tmp, cell.out_dir)  # a fresh directory each time in these tests
     return {"final_gold": float(cell.seed), "wall_s": 0.0}
 
 

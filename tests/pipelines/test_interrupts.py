@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ablations.config import load_params
+from ablations.grid import cells, upstream_stages
 from pipelines import lockfile
 from tests.pipelines.fakes import runner_script
 from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
-from tests.pipelines.test_run import alive, wait_for, worker_pids
+from tests.pipelines.test_run import alive, children, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -57,9 +59,6 @@ def wait_while_running(proc: subprocess.Popen, tmp: Path, condition) -> None:
 
 
 def grid_stages(root: Path) -> set[str]:
-    from ablations.config import load_params
-    from ablations.grid import cells
-
     return {c.stage for c in cells(load_params(root / "params.yaml"))}
 
 
@@ -72,24 +71,11 @@ def recorded(root: Path) -> set[str]:
 def forget_cells(root: Path) -> None:
     """Every grid cell stale and unrecorded, as before its first run (data, SFT and RM stay)."""
     if not (root / "dvc.lock").exists():
-        sh(root, PY, "-m", "dvc", "repro", "rm")
+        sh(root, PY, "-m", "dvc", "repro", *upstream_stages(load_params(root / "params.yaml")))
     shutil.rmtree(root / "runs", ignore_errors=True)
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     lock["stages"] = {k: v for k, v in lock["stages"].items() if k not in grid_stages(root)}
     (root / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
-
-
-def children(pid: int, word: bytes) -> list[int]:
-    """Child processes of ``pid`` whose command line (arguments joined by NUL) contains ``word``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and word in (stat.parent / "cmdline").read_bytes():
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def status(root: Path) -> dict:
@@ -127,9 +113,10 @@ def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path)
     assert stopped and all(v == ["FAILED"] for v in stopped.values()), runs
 
     # The rerun does only what is left, and the pipeline ends clean.
-    left = 6 - len(recorded(repo))
+    n = len(grid_stages(repo))
+    left = n - len(recorded(repo))
     out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
-    assert f"{left} of 6 grid cells to run" in out, out
+    assert f"{left} of {n} grid cells to run" in out, out
     assert status(repo) == {}
 
 
@@ -146,7 +133,8 @@ def test_sigkill_keeps_recorded_cells_and_the_resumed_results_are_bit_identical(
 
     out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
     assert "restored the last good copy" in out
-    assert "3 of 6 grid cells to run" in out, out  # the recorded cells were kept
+    n = len(grid_stages(repo))
+    assert f"{n - 3} of {n} grid cells to run" in out, out  # the recorded cells were kept
     assert status(repo) == {} and recorded(repo) >= kept
     resumed = (repo / "reports/runs.csv").read_bytes()
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ablations.config import Params
-from ablations.grid import cells
+from ablations.grid import cells, upstream_stages
 from pipelines import run
 from tests.conftest import REPO, repo_params
 from tests.pipelines.fakes import committed, runner_script
@@ -70,6 +70,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def children(pid: int, word: bytes) -> list[int]:
+    """Child processes of ``pid`` whose command line (arguments joined by NUL) contains ``word``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and word in (stat.parent / "cmdline").read_bytes():
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def worker_pids(workdir: Path) -> list[int]:
     return [int(p.name.split("-")[1]) for p in (workdir / "fake").glob("worker-*")]
 
@@ -122,6 +135,14 @@ def test_double_ctrl_c_during_a_commit_leaves_a_whole_lock_file(workdir):
     recorded = committed(workdir / "fake.lock")  # parses: whole
     assert recorded and set(recorded) == with_outputs(workdir)  # every finished cell, nothing else
     assert not [p for p in worker_pids(workdir) if alive(p)]
+
+
+def test_ctrl_c_while_the_workers_start_ends_with_one_line(workdir):
+    proc = start_runner(workdir)
+    wait_for(lambda: children(proc.pid, b"spawn_main"))  # a worker is being started: imports, not yet set up
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
 
 
 def test_sigkill_of_the_runner_keeps_recorded_cells_and_takes_the_workers_with_it(workdir):
@@ -189,11 +210,13 @@ def test_a_failing_dvc_ends_with_one_line_and_no_traceback(workdir, monkeypatch,
     monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
     rc = run.main(["--workers", "1"], run_cell=lambda p, c: None)
     err = capsys.readouterr().err
-    assert rc == 1 and err == "error: `dvc repro rm` failed (exit 3); DVC's message is above\n"
+    upstream = " ".join(upstream_stages(Params.model_validate(repo_params(TINY))))
+    assert rc == 1 and err == f"error: `dvc repro {upstream}` failed (exit 3); DVC's message is above\n"
 
 
 def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir, capsys, monkeypatch):
-    from pipelines.atomic import atomic_dir, clean_temp, temp_sibling, write_atomic
+    from pipelines.common import atomic_dir, write_atomic
+    from pipelines.leftovers import clean_temp, temp_sibling
 
     leftovers = [
         temp_sibling(workdir / "runs/ppo/reward_k1-0.1-0"),  # atomic_dir of a killed cell
