@@ -385,15 +385,26 @@ def run_cells(todo: list[Cell], backend, recorder: Recorder, sig: Signals, run_c
         if pending:
             print(f"stopping {len(pending)} unfinished cells; recording the finished ones ...", flush=True)
             backend.stop(list(pending))
-            tracking.fail_running(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
         else:
             backend.close()
         recorder.finish()
+        if pending:
+            _fail_runs(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
     sig.check(
         f"{len(recorder.recorded)} finished cells are recorded in dvc.lock, {len(pending)} were stopped "
         "(MLflow runs marked FAILED); run again to do the rest"
     )
     return failed
+
+
+def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
+    """Marks MLflow runs left RUNNING FAILED (tracking.fail_running). MLflow is only a mirror: a problem with it
+    is a note, not a failure (the next start tries again)."""
+    try:
+        return tracking.fail_running(experiment, reason, stages)
+    except Exception as e:
+        print(f"note: could not mark MLflow runs left RUNNING FAILED ({_last_line(e)})", flush=True)
+        return []
 
 
 def prepare(experiment: str) -> None:
@@ -407,7 +418,7 @@ def prepare(experiment: str) -> None:
     removed = clean_temp()
     if removed:
         print(f"removed {len(removed)} temporary files left by killed stages, e.g. {removed[0]}", flush=True)
-    stale = tracking.fail_running(experiment, "its process was gone when the grid runner started")
+    stale = _fail_runs(experiment, "its process was gone when the grid runner started")
     if stale:
         print(f"marked {len(stale)} MLflow runs left RUNNING by a killed run FAILED: {', '.join(stale)}", flush=True)
 
