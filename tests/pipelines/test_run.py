@@ -246,6 +246,7 @@ def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir,
     assert not leftovers[1].exists() and "removed 1 temporary files" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # creating an MLflow store takes ~5 s of CPU (its schema migrations)
 def test_stale_running_mlflow_runs_are_marked_failed(tmp_path):
     from mlflow.tracking import MlflowClient
 
