@@ -18,7 +18,7 @@ check-params: install        ## validate params.yaml without running anything
 	$(PY) -m ablations.config
 
 repro: install               ## data -> sft -> rm -> every stale grid cell on all cores -> analysis
-	$(PY) -m ablations.run
+	$(PY) -m pipelines.run
 
 dvc-repro: check-params      ## the same, one stage at a time, by plain DVC
 	dvc repro

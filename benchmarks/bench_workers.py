@@ -3,7 +3,7 @@
     python benchmarks/bench_workers.py [--cells 8] [--repeats 2] [--workers 2]
 
 Needs a finished `make repro` (it reuses data/ and models/). Works in a scratch copy of the repository, where it
-deletes the outputs of the first ``--cells`` PPO cells and times `python -m ablations.run --no-analysis` bringing
+deletes the outputs of the first ``--cells`` PPO cells and times `python -m pipelines.run --no-analysis` bringing
 them back, with 1 worker and with ``--workers``; median of ``--repeats`` each. Writes benchmarks/workers.json.
 """
 
@@ -44,7 +44,7 @@ def timed_run(repo: Path, todo: list, workers: int) -> float:
         shutil.rmtree(repo / cell.out_dir, ignore_errors=True)
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "ablations.run", "--no-analysis", "--workers", str(workers)],
+        [sys.executable, "-m", "pipelines.run", "--no-analysis", "--workers", str(workers)],
         cwd=repo,
         check=True,
         capture_output=True,

@@ -86,9 +86,11 @@ def atomic_dir(path: Path):
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
+        old = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        if path.exists():  # renamed aside, never left half-deleted; a kill before the rmtree leaves `old` behind
+            os.rename(path, old)  # for pipelines.leftovers.clean_temp
         os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -111,8 +113,23 @@ def save_checkpoint(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file (one line)."""
+
+
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, weights_only=True, map_location="cpu")
+    """``torch.load`` with ``weights_only=True``; CheckpointError naming the file if it is missing or unreadable
+    (truncated, not a checkpoint)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; run `dvc repro` to create it") from None
+    except Exception as e:  # torch raises RuntimeError, OSError, EOFError or UnpicklingError for a damaged file
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(
+            f"{path}: cannot load checkpoint ({type(e).__name__}: {reason}); it is damaged or not a checkpoint: "
+            "re-create it with `dvc repro`"
+        ) from None
 
 
 def load_task(data: dict) -> Task:

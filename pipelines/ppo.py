@@ -68,7 +68,8 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
 
 
 def run_cell(params: Params, cell: Cell) -> dict:
-    """Trains one cell and writes its outputs atomically. Returns its summary."""
+    """Trains one cell and writes its outputs atomically. Returns its summary plus ``wall_s`` (seconds; not in
+    summary.json, which must be the same on every rerun)."""
     device = setup()
     data = load_checkpoint(data_path(cell.task, cell.instance))
     task = load_task(data)
@@ -92,10 +93,12 @@ def run_cell(params: Params, cell: Cell) -> dict:
                 cfg,
                 progress=lambda row: bar.update(),
             )
-        summary = {"stage": cell.stage, **axes, **out["summary"], "wall_s": time.perf_counter() - start}
+        wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
+        summary = {"stage": cell.stage, **axes, **out["summary"]}
         tracking.log_metrics(client, rid, out["history"], prefix="train/")
         tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
-        tracking.log_final(client, rid, {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))})
+        final = {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))}
+        tracking.log_final(client, rid, {**final, "wall_s": wall_s})
         with atomic_dir(cell.out_dir) as tmp:
             write_json(tmp / "summary.json", summary)
             (tmp / "evals.csv").write_text(to_csv(out["evals"]))
@@ -103,7 +106,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
             (tmp / "diagnostics.csv").write_text(to_csv(out["diagnostics"]) if out["diagnostics"] else "")
             run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
             client.log_artifact(rid, str(tmp / "curves.png"))
-    return summary
+    return {**summary, "wall_s": wall_s}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,6 +99,44 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
         signal.signal(signal.SIGTERM, previous)
 
 
+def _existing_store() -> str | None:
+    """The tracking URI, or None when it names a sqlite file that does not exist (nothing was ever logged)."""
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    return uri
+
+
+def fail_running(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
+    """Marks FAILED the runs of ``experiment`` still RUNNING whose process is gone (killed, or stopped by the
+    runner), only those of ``stages`` if given, with the tag ``failure: reason``. Returns their stage names.
+    Creates nothing: no store or no experiment means no runs. The caller must know that no stage is running
+    (the grid runner holds its repository lock and has stopped its workers)."""
+    uri = _existing_store()
+    if uri is None:
+        return []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    failed, token = [], None
+    while True:
+        page = client.search_runs(
+            [exp.experiment_id], "attributes.status = 'RUNNING'", max_results=1000, page_token=token
+        )
+        for run in page:
+            stage = run.data.tags.get(STAGE_TAG, run.info.run_name)
+            if stages is None or stage in stages:
+                client.set_tag(run.info.run_id, "failure", reason)
+                client.set_terminated(run.info.run_id, "FAILED")
+                failed.append(stage)
+        token = page.token
+        if not token:
+            return failed
+
+
 def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_key: str = "iteration") -> None:
     """Logs a list of per-step dicts (e.g. PPO history) as metrics with ``step``, in batches."""
     from mlflow.entities import Metric

@@ -129,7 +129,7 @@ def repo(tmp_path_factory) -> Path:
 
 
 def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
-    out = sh(repo, sys.executable, "-m", "ablations.run", "--workers", "2")
+    out = sh(repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
     assert "15 of 15 grid cells to run" in out.stdout
     finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/15\] \S+: gold ", line)]
     assert len(finished) == 15, out.stdout  # one line per finished cell
@@ -178,7 +178,7 @@ def test_bad_params_fail_before_any_compute_and_write_nothing(repo):
     write_params(repo, params)
     before = sorted(p for p in repo.rglob("*") if ".git" not in p.parts and p.name != "mlflow.db")
     try:
-        out = sh(repo, sys.executable, "-m", "ablations.run", check=False)
+        out = sh(repo, sys.executable, "-m", "pipelines.run", check=False)
         assert out.returncode == 2 and "'reward', 'loss' or 'both'" in out.stderr, out.stderr
         assert out.stderr.count("\n") == 1  # one message
         after = sorted(p for p in repo.rglob("*") if ".git" not in p.parts and p.name != "mlflow.db")

@@ -1,0 +1,486 @@
+"""Run everything with every core: `dvc repro`, with the stale grid cells run concurrently.
+
+    python -m pipelines.run                      # local process pool, one worker per core
+    python -m pipelines.run --workers 1          # one cell at a time
+    python -m pipelines.run --ray-address auto   # cells as Ray tasks (pip install -e '.[ray]'), shared filesystem
+
+Steps: 1. validate params.yaml and check that the `python` of dvc.yaml's commands, resolved as DVC will resolve it,
+is this interpreter (nothing runs if either is wrong); 2. take the repository's runner lock (one runner at a time),
+restore dvc.lock from its last good copy if a killed DVC left it broken, remove the temporary files of killed
+stages, mark MLflow runs left RUNNING by a killed run FAILED; 3. `dvc repro` of the stages the cells need;
+4. ask `dvc status` which grid cells are stale and run them in parallel, each with torch threads set to
+RLHF_THREADS (default 1), printing one line per finished cell, and record finished cells in dvc.lock while the
+others run (a batch at most every --commit-every seconds), exactly as `dvc repro` would have; 5. `dvc repro` for
+the rest (the analysis).
+
+Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) stops the workers at once (their
+MLflow runs are marked FAILED), records the cells that finished, and exits with one line (status 130 or 143).
+A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
+reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
+when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
+the MLflow runs the killed workers left RUNNING as FAILED).
+DVC writes dvc.lock through pipelines.lockfile, which only ever replaces it whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager, suppress
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ablations.config import ParamsError, load_params
+from ablations.grid import Cell, cells, upstream_stages
+from pipelines import lockfile, tracking
+from pipelines.leftovers import clean_temp
+
+STATE = Path(".dvc/tmp/runner")  # the runner's lock file and dvc.lock's last good copy (.dvc/tmp is git-ignored)
+DVC = [sys.executable, "-m", "pipelines.lockfile", "dvc"]  # DVC's CLI, dvc.lock replaced whole
+COMMIT = [sys.executable, "-m", "pipelines.lockfile", "commit"]  # `dvc commit --force STAGE...`, one pass
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+GRACE_S = 10.0  # a stopped worker's time to mark its MLflow run FAILED before it is killed
+POLL_S = 0.2
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class RunnerError(Exception):
+    """A failure worded for the user: one line; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+class Interrupted(RunnerError):
+    def __init__(self, signum: int, message: str):
+        super().__init__(f"{signal.Signals(signum).name}: {message}", EXIT[signum])
+
+
+class Signals:
+    """SIGINT and SIGTERM only set a flag: the runner stops where it chooses, never inside a commit."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.count = 0
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        self.signum = self.signum or signum
+
+    def __enter__(self) -> Signals:
+        self._old = {s: signal.signal(s, self._handle) for s in EXIT}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def check(self, message: str) -> None:
+        if self.signum:
+            raise Interrupted(self.signum, message)
+
+
+@contextmanager
+def runner_lock(state: Path = STATE):
+    """One runner per repository: an exclusive flock on .dvc/tmp/runner/lock, which the kernel releases when the
+    runner exits, however it exits. The file holds the holder's pid, for the refusal message."""
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / "lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            raise RunnerError(
+                f"another runner (pid {pid}) is working in this repository; wait for it, or stop it with `kill {pid}`",
+                2,
+            ) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+
+
+def stage_env() -> dict[str, str]:
+    """The environment of every DVC call: this interpreter's directory first on PATH, so that the `python` of
+    dvc.yaml's commands is this one even when the environment is not activated."""
+    return {**os.environ, "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), os.getenv("PATH")]))}
+
+
+PROBE = "python -c 'import sys; print(sys.prefix); print(sys.executable)'"
+
+
+def check_interpreter(env: dict[str, str]) -> None:
+    """Fails (one line) unless `python`, resolved as DVC resolves it for a stage command (the user's $SHELL with
+    DVC's flags and environment fix-ups: dvc/stage/run.py ``_make_cmd``, dvc/utils ``fix_env``), runs in this
+    interpreter's environment. Otherwise the stages after the grid would die with a missing package."""
+    from dvc.stage.run import _make_cmd
+    from dvc.utils import fix_env
+
+    try:
+        cmd = _make_cmd(env.get("SHELL") or "/bin/sh", PROBE)
+        out = subprocess.run(cmd, env=fix_env(env), capture_output=True, text=True, timeout=120)
+        prefix, executable = out.stdout.splitlines()[:2] if out.returncode == 0 else ("", "")
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        prefix, executable, out = "", "", e
+    if not prefix or os.path.realpath(prefix) != os.path.realpath(sys.prefix):
+        what = f"{executable} (environment {prefix})" if prefix else f"nothing that works ({_last_line(out)})"
+        raise RunnerError(
+            f"DVC's stage commands would run `python` = {what}, not this interpreter, {sys.executable} "
+            f"(environment {sys.prefix}); run `make repro`, or activate the environment (`. .venv/bin/activate`)",
+            2,
+        )
+
+
+def _last_line(x) -> str:
+    """The last non-empty line of a process's output or an exception's message (with its type)."""
+    text = getattr(x, "stderr", None) or str(x)
+    lines = [s.strip() for s in str(text).strip().splitlines() if s.strip()]
+    last = lines[-1] if lines else "no message"
+    return f"{type(x).__name__}: {last}" if isinstance(x, BaseException) else last
+
+
+def dvc(args: list[str], env: dict[str, str], sig: Signals, capture: bool = False) -> str:
+    """Runs `dvc ARGS` in its own process session and forwards Ctrl-C and SIGTERM to it (to DVC and its stage
+    command). Returns its stdout if ``capture`` (else it goes to the terminal); a failure raises RunnerError."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([*DVC, *args], env=env, stdout=out if capture else None, start_new_session=True)
+        forwarded = 0
+        while proc.poll() is None:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(POLL_S)
+            if sig.count > forwarded:
+                forwarded = sig.count
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig.signum)
+        out.seek(0)
+        text = out.read()
+    sig.check(f"stopped during `dvc {' '.join(args)}`")
+    if proc.returncode:
+        raise RunnerError(f"`dvc {' '.join(args)}` failed (exit {proc.returncode}); DVC's message is above")
+    return text
+
+
+def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cell]:
+    """Grid cells whose DVC stage is changed or has never run (per `dvc status --json`; asking for the whole
+    pipeline at once is ~10x faster than naming 100 stages, which DVC collects one by one)."""
+    status = json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
+    return [c for c in grid if c.stage in status]
+
+
+class Recorder:
+    """Records finished cells in dvc.lock while the others run: one commit process at a time, a new batch when
+    the last commit ended ``every_s`` ago. Each commit runs in its own process session, so a terminal's Ctrl-C
+    does not reach it, and ``finish`` waits for it: a commit always completes."""
+
+    def __init__(self, env: dict[str, str], every_s: float):
+        self.env, self.every_s = env, every_s
+        self.log = STATE / "commit.log"
+        self.waiting: list[Cell] = []
+        self.batch: list[Cell] = []
+        self.recorded: list[Cell] = []
+        self.proc: subprocess.Popen | None = None
+        self.last = float("-inf")
+        self.retried = False  # a commit killed by a signal is retried once
+
+    def add(self, cell: Cell) -> None:
+        self.waiting.append(cell)
+
+    def poll(self, flush: bool = False) -> None:
+        """Collects a finished commit; starts the next batch when due (``flush``: as soon as possible)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self._collect()
+        if self.proc is None and self.waiting and (flush or time.monotonic() - self.last >= self.every_s):
+            self.batch, self.waiting = self.waiting, []
+            self._start()
+
+    def _start(self) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [*COMMIT, *(c.stage for c in self.batch)],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _collect(self) -> None:
+        rc, self.proc, self.last = self.proc.returncode, None, time.monotonic()
+        if rc < 0 and not self.retried:  # killed (e.g. by the OOM killer): dvc.lock is whole, record the batch again
+            self.retried = True
+            return self._start()
+        if rc:
+            why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else _last_line(self.log.read_text())
+            raise RunnerError(f"recording {len(self.batch)} finished cells in dvc.lock failed: {why}")
+        self.recorded += self.batch
+        print(f"dvc.lock: recorded {len(self.batch)} more finished cells ({len(self.recorded)} so far)", flush=True)
+
+    def finish(self) -> None:
+        """Waits for the commit in progress, then records every cell still waiting."""
+        while self.proc is not None or self.waiting:
+            self.poll(flush=True)
+            if self.proc is not None:
+                with suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(POLL_S)
+
+
+# ---------------------------------------------------------------- workers
+
+
+def _exit_on_term(signum, frame) -> None:
+    os._exit(EXIT[signal.SIGTERM])
+
+
+def _init_worker(parent: int) -> None:
+    """Pool worker setup. Ctrl-C is the runner's to handle (a terminal sends it to every process of the foreground
+    group), so workers ignore it. SIGTERM ends an idle worker at once; during a cell, tracking.stage_run turns it
+    into KeyboardInterrupt first, which marks the cell's MLflow run FAILED. And the kernel kills the worker when the
+    runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG; SIGKILL because an idle worker's main thread, blocked
+    in the task queue's semaphore, may never run a Python handler): the next runner start marks its MLflow run
+    FAILED and removes its temporary files."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by LocalPool.submit until now
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    # tqdm's default lock is a multiprocessing semaphore, which a stopped worker never unlinks (then Python's
+    # resource tracker warns at exit); one process needs only a thread lock.
+    tqdm.set_lock(threading.RLock())
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the runner died before prctl took effect
+        os._exit(EXIT[signal.SIGTERM])
+
+
+def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
+    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell."""
+    os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
+    try:
+        return run_cell(load_params(), cell)
+    except KeyboardInterrupt:  # SIGTERM during the cell: its MLflow run is marked FAILED by now
+        os._exit(EXIT[signal.SIGTERM])
+
+
+def ppo_cell(params, cell: Cell) -> dict:
+    from pipelines.ppo import run_cell
+
+    return run_cell(params, cell)
+
+
+class LocalPool:
+    """Cells in a process pool (spawned workers, one per core by default)."""
+
+    def __init__(self, workers: int):
+        resource_tracker.ensure_running()  # before submit blocks Ctrl-C: starting it unblocks SIGINT (CPython 3.11)
+        self.pool = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(os.getpid(),)
+        )
+
+    def submit(self, *args):
+        """Queues a cell; a worker spawned here starts with Ctrl-C blocked (the signal mask survives exec), so a
+        Ctrl-C while it imports cannot kill it with a traceback; _init_worker ignores it, then unblocks it. The
+        runner gets a Ctrl-C of these moments when the mask is restored (multiprocessing starts its resource
+        tracker the same way)."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return self.pool.submit(_cell_in_worker, *args)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def wait(self, pending: set, timeout: float) -> set:
+        return wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)[0]
+
+    def result(self, handle) -> dict:
+        return handle.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+    def stop(self, pending) -> None:
+        """Cancels the queued cells and stops the running ones: SIGTERM, then SIGKILL after GRACE_S."""
+        procs = multiprocessing.active_children()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + GRACE_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class RayPool:
+    """Cells as Ray tasks (one CPU each) on a cluster that shares the repository's filesystem."""
+
+    def __init__(self, address: str):
+        import ray
+
+        self.ray = ray
+        env = {k: os.environ[k] for k in ("RLHF_THREADS", "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}
+        ray.init(address=address, runtime_env={"env_vars": env})
+        self.remote = ray.remote(num_cpus=1)(_cell_in_worker)
+
+    def submit(self, *args):
+        return self.remote.remote(*args)
+
+    def wait(self, pending: set, timeout: float) -> set:
+        return set(self.ray.wait(list(pending), num_returns=1, timeout=timeout)[0])
+
+    def result(self, handle) -> dict:
+        return self.ray.get(handle)
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+    def stop(self, pending) -> None:
+        for ref in pending:
+            with suppress(Exception):
+                self.ray.cancel(ref, force=True)
+        self.ray.shutdown()
+
+
+def _progress(i: int, n: int, cell: Cell, s: dict, elapsed: float) -> str:
+    shown = [("gold", "final_gold", 3), ("proxy", "final_proxy", 3), ("KL", "final_kl", 2)]
+    values = " ".join(f"{label} {s[k]:.{d}f}" for label, k, d in shown if isinstance(s.get(k), int | float))
+    return f"[{i}/{n}] {cell.stage}: {values} ({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
+
+
+def run_cells(todo: list[Cell], backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
+    """Runs ``todo`` on ``backend``, recording finished cells as they finish; returns the failed stages. On a
+    signal (or an error of the runner itself) stops the workers, marks the unfinished cells' MLflow runs FAILED
+    and records every finished cell before raising."""
+    root, start = str(Path.cwd()), time.perf_counter()
+    pending = {backend.submit(root, c, run_cell): c for c in todo}
+    failed: list[str] = []
+    try:
+        while pending and not sig.signum:
+            for handle in backend.wait(set(pending), POLL_S):
+                cell = pending.pop(handle)
+                i = len(todo) - len(pending)
+                try:
+                    s = backend.result(handle)
+                except Exception as e:  # report and go on: the other cells are still worth having
+                    failed.append(cell.stage)
+                    print(f"[{i}/{len(todo)}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
+                    continue
+                recorder.add(cell)
+                print(_progress(i, len(todo), cell, s, time.perf_counter() - start), flush=True)
+            recorder.poll()
+    finally:
+        if pending:
+            print(f"stopping {len(pending)} unfinished cells; recording the finished ones ...", flush=True)
+            backend.stop(list(pending))
+        else:
+            backend.close()
+        recorder.finish()
+        if pending:
+            _fail_runs(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
+    sig.check(
+        f"{len(recorder.recorded)} finished cells are recorded in dvc.lock, {len(pending)} were stopped "
+        "(MLflow runs marked FAILED); run again to do the rest"
+    )
+    return failed
+
+
+def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
+    """Marks MLflow runs left RUNNING FAILED (tracking.fail_running). MLflow is only a mirror: a problem with it
+    is a note, not a failure (the next start tries again)."""
+    try:
+        return tracking.fail_running(experiment, reason, stages)
+    except Exception as e:
+        print(f"note: could not mark MLflow runs left RUNNING FAILED ({_last_line(e)})", flush=True)
+        return []
+
+
+def prepare(experiment: str) -> None:
+    """Repairs what a killed run left behind. Only under the runner lock: no other runner is working here."""
+    try:
+        note = lockfile.repair()
+    except lockfile.BrokenLockError as e:
+        raise RunnerError(str(e), 2) from None
+    if note:
+        print(note, flush=True)
+    removed = clean_temp()
+    if removed:
+        print(f"removed {len(removed)} temporary files left by killed stages, e.g. {removed[0]}", flush=True)
+    stale = _fail_runs(experiment, "its process was gone when the grid runner started")
+    if stale:
+        print(f"marked {len(stale)} MLflow runs left RUNNING by a killed run FAILED: {', '.join(stale)}", flush=True)
+
+
+def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
+    start = time.perf_counter()
+    if not Path(".dvc").is_dir():
+        raise RunnerError("no .dvc directory here: run the runner from the repository's root", 2)
+    try:
+        params = load_params()
+    except ParamsError as e:
+        raise RunnerError(str(e), 2) from None
+    env = stage_env()
+    check_interpreter(env)
+    with runner_lock():
+        prepare(params.mlflow.experiment)
+        sig.check("stopped before any compute")
+        dvc(["repro", *upstream_stages(params)], env, sig)
+        grid = cells(params)
+        todo = stale_cells(grid, env, sig)
+        where = f"Ray at {args.ray_address}" if args.ray_address else f"{args.workers} local workers"
+        print(f"{len(todo)} of {len(grid)} grid cells to run on {where}", flush=True)
+        if todo:
+            os.environ.setdefault("RLHF_THREADS", "1")
+            os.environ.setdefault("TQDM_DISABLE", "1")
+            backend = RayPool(args.ray_address) if args.ray_address else LocalPool(args.workers)
+            recorder = Recorder(env, args.commit_every)
+            failed = run_cells(todo, backend, recorder, sig, run_cell, params.mlflow.experiment)
+            if failed:
+                n, names = len(failed), ", ".join(failed)
+                raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+        if not args.no_analysis:
+            dvc(["repro"], env, sig)
+    print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+def main(argv: list[str] | None = None, run_cell=ppo_cell) -> int:
+    """The command line; ``run_cell(params, cell) -> summary`` runs one cell in a worker (tests swap it)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local processes (default: cores)")
+    ap.add_argument("--ray-address", help="Ray cluster address ('auto', 'ray://host:10001' or 'local')")
+    ap.add_argument("--no-analysis", action="store_true", help="stop after the grid cells")
+    ap.add_argument(
+        "--commit-every", type=float, default=60.0, help="seconds between recordings of finished cells (default 60)"
+    )
+    args = ap.parse_args(argv)
+    try:
+        with Signals() as sig:
+            run(args, sig, run_cell)
+    except Interrupted as e:
+        print(f"stopped by {e}", file=sys.stderr, flush=True)
+        return e.code
+    except RunnerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except Exception as e:  # a bug of the runner: one line here, the traceback in a file
+        log = Path(tempfile.mkstemp(prefix="pipelines-run-", suffix=".txt")[1])
+        log.write_text(traceback.format_exc())
+        print(f"error: unexpected {type(e).__name__}: {_last_line(e)} (traceback in {log})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

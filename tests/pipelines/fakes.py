@@ -1,0 +1,95 @@
+"""Stand-ins for the runner's tests: a cell function that only sleeps and writes a summary, and a DVC whose commit
+rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an interrupted commit leaves it cut).
+
+    python -m tests.pipelines.fakes dvc status --json   # every grid cell of ./params.yaml is stale
+    python -m tests.pipelines.fakes dvc repro ...       # does nothing
+    python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
+
+Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`), FAKE_FAST (the first
+FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+LOCK = Path("fake.lock")
+
+
+def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True) -> str:
+    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC)."""
+    dvc = (
+        "run.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
+        "run.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
+    )
+    return (
+        "import sys; from pipelines import run; from tests.pipelines import fakes; "
+        f"{dvc if fake_dvc else ''}sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}))"
+    )
+
+
+def sleepy(params, cell) -> dict:
+    """A cell: drops its pid, sleeps (briefly for the first FAKE_FAST cells), writes summary.json atomically
+    (without torch, which pipelines.common imports)."""
+    from ablations.grid import cells
+    from pipelines.leftovers import temp_sibling
+
+    (Path(os.environ["FAKE_DIR"]) / f"worker-{os.getpid()}").touch()
+    fast = [c.stage for c in cells(params)][: int(os.environ.get("FAKE_FAST", "1000000"))]
+    time.sleep(0.05 if cell.stage in fast else 60)
+    tmp = temp_sibling(cell.out_dir)
+    tmp.mkdir(parents=True)
+    (tmp / "summary.json").write_text(json.dumps({"stage": cell.stage, "final_gold": float(cell.seed)}))
+    os.replace(tmp, cell.out_dir)  # a fresh directory each time in these tests
+    return {"final_gold": float(cell.seed), "wall_s": 0.0}
+
+
+def slow_real(params, cell) -> dict:
+    """The real cell (pipelines.ppo.run_cell) for the first FAKE_FAST cells; the others open their MLflow run and
+    sleep in it for a minute, as a long PPO run would (a signal then finds a RUNNING run to mark FAILED)."""
+    from ablations.grid import cells
+    from pipelines import tracking
+    from pipelines.ppo import run_cell
+
+    (Path(os.environ["FAKE_DIR"]) / f"worker-{os.getpid()}").touch()
+    if cell.stage in [c.stage for c in cells(params)][: int(os.environ["FAKE_FAST"])]:
+        return run_cell(params, cell)
+    with tracking.stage_run(cell.stage, params.mlflow.experiment, {}):
+        time.sleep(60)
+    raise AssertionError("a slow cell must be stopped")
+
+
+def committed(path: Path = LOCK) -> list[str]:
+    """The stages recorded in the fake lock; raises if it is cut."""
+    return json.loads(path.read_text())["stages"] if path.exists() else []
+
+
+def _commit(names: list[str]) -> None:
+    (Path(os.environ["FAKE_DIR"]) / "committing").touch()
+    text = json.dumps({"stages": [*committed(), *names]})
+    delay = float(os.environ.get("FAKE_COMMIT_S", "0")) / len(text)
+    with open(LOCK, "w") as f:  # in place, like DVC: cut if killed before the end
+        for ch in text:
+            f.write(ch)
+            f.flush()
+            time.sleep(delay)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["commit"]:
+        _commit(argv[1:])
+    elif argv[:3] == ["dvc", "status", "--json"]:
+        from ablations.config import load_params
+        from ablations.grid import cells
+
+        done = set(committed())
+        print(json.dumps({c.stage: ["changed"] for c in cells(load_params()) if c.stage not in done}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

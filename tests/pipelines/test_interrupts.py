@@ -1,0 +1,150 @@
+"""The grid runner interrupted for real (issue 9): real DVC, real cells, on the tiny grid of test_e2e in a temporary
+repository. The first two cells are real PPO runs; the others hold a RUNNING MLflow run for a minute
+(tests/pipelines/fakes.py ``slow_real``), so that signals land while cells run.
+
+Slow (minutes): run with `make test-all`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ablations.config import load_params
+from ablations.grid import cells, upstream_stages
+from pipelines import lockfile
+from tests.pipelines.fakes import runner_script
+from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
+from tests.pipelines.test_run import alive, children, wait_for, worker_pids
+
+pytestmark = pytest.mark.slow
+PY = sys.executable
+
+
+def start(root: Path, tmp: Path, fast: int) -> subprocess.Popen:
+    """The runner (first ``fast`` cells real, the others slow) in its own process group, recording after every
+    cell, its output in tmp/out.txt and tmp/err.txt."""
+    (tmp / "fake").mkdir(exist_ok=True)
+    env = {**stage_env(root), "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "FAKE_DIR": str(tmp / "fake")}
+    return subprocess.Popen(
+        [PY, "-c", runner_script("slow_real", fake_dvc=False), "--workers", "2", "--commit-every", "0"],
+        cwd=root,
+        env={**env, "FAKE_FAST": str(fast)},
+        stdout=(tmp / "out.txt").open("w"),
+        stderr=(tmp / "err.txt").open("w"),
+        start_new_session=True,
+    )
+
+
+def wait_while_running(proc: subprocess.Popen, tmp: Path, condition) -> None:
+    """Waits (up to 10 min) for ``condition``; fails at once, with the runner's output, if the runner ends."""
+
+    def check() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"runner ended ({proc.returncode}):\n{(tmp / 'out.txt').read_text()}\n{(tmp / 'err.txt').read_text()}"
+            )
+        return bool(condition())
+
+    wait_for(check, timeout=600)
+
+
+def grid_stages(root: Path) -> set[str]:
+    return {c.stage for c in cells(load_params(root / "params.yaml"))}
+
+
+def recorded(root: Path) -> set[str]:
+    """The grid cells in dvc.lock (asserting that DVC can read it)."""
+    assert lockfile.problem(root / "dvc.lock") is None
+    return set(yaml.safe_load((root / "dvc.lock").read_text())["stages"]) & grid_stages(root)
+
+
+def forget_cells(root: Path) -> None:
+    """Every grid cell stale and unrecorded, as before its first run (data, SFT and RM stay)."""
+    if not (root / "dvc.lock").exists():
+        sh(root, PY, "-m", "dvc", "repro", *upstream_stages(load_params(root / "params.yaml")))
+    shutil.rmtree(root / "runs", ignore_errors=True)
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    lock["stages"] = {k: v for k, v in lock["stages"].items() if k not in grid_stages(root)}
+    (root / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+
+
+def runs_tables(root: Path) -> dict[str, bytes]:
+    """Every runs.csv of the analysis (one per task, or one), by path."""
+    tables = {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "reports").rglob("runs.csv"))}
+    assert tables
+    return tables
+
+
+def status(root: Path) -> dict:
+    return json.loads(sh(root, PY, "-m", "dvc", "status", "--json").stdout or "{}")
+
+
+def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):  # noqa: F811
+    proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real), then the grid
+    # As soon as the first finished cell is being recorded: Ctrl-C twice.
+    wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.lockfile\0commit"))
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the runner and its workers, not the commit
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = (tmp_path / "err.txt").read_text()  # the stages' own logs, then the runner's one line
+    assert err.splitlines()[-1].startswith("stopped by SIGINT") and "Traceback" not in err, err
+    first = recorded(repo)  # DVC can read dvc.lock, and it holds every cell that finished
+    assert first and first == {s for s in first if s not in status(repo)}
+    assert not [p for p in worker_pids(tmp_path) if alive(p)]
+    runs = visible_runs(repo)
+    assert all(r.info.status != "RUNNING" for v in runs.values() for r in v)
+
+    # SIGTERM (`kill`, `timeout`) with both workers inside slow cells: one line, no orphans, RUNNING -> FAILED.
+    shutil.rmtree(tmp_path / "fake")
+    proc = start(repo, tmp_path, fast=2)
+    wait_while_running(proc, tmp_path, lambda: len(recorded(repo)) >= 2 and len(worker_pids(tmp_path)) == 2)
+    time.sleep(3)  # the slow cells have opened their MLflow runs
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    err = (tmp_path / "err.txt").read_text()
+    assert err.splitlines()[-1].startswith("stopped by SIGTERM") and "Traceback" not in err, err
+    assert not [p for p in worker_pids(tmp_path) if alive(p)]
+    runs = {s: [r.info.status for r in v] for s, v in visible_runs(repo).items()}
+    stopped = {s: v for s, v in runs.items() if s in grid_stages(repo) - recorded(repo)}
+    assert stopped and all(v == ["FAILED"] for v in stopped.values()), runs
+
+    # The rerun does only what is left, and the pipeline ends clean.
+    n = len(grid_stages(repo))
+    left = n - len(recorded(repo))
+    out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
+    assert f"{left} of {n} grid cells to run" in out, out
+    assert status(repo) == {}
+
+
+def test_sigkill_keeps_recorded_cells_and_the_resumed_results_are_bit_identical(repo, tmp_path):  # noqa: F811
+    forget_cells(repo)
+    proc = start(repo, tmp_path, fast=3)
+    wait_while_running(proc, tmp_path, lambda: len(recorded(repo)) == 3 and len(worker_pids(tmp_path)) == 2)
+    kept = recorded(repo)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: not [p for p in worker_pids(tmp_path) if alive(p)], timeout=30)  # workers die with it
+    (repo / "dvc.lock").write_text("")  # and a DVC killed while rewriting it in place (issue 9: 4 of 4 times)
+    assert sh(repo, PY, "-m", "dvc", "status", check=False).returncode != 0  # plain DVC cannot go on
+
+    out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
+    assert "restored the last good copy" in out
+    n = len(grid_stages(repo))
+    assert f"{n - 3} of {n} grid cells to run" in out, out  # the recorded cells were kept
+    assert status(repo) == {} and recorded(repo) >= kept
+    resumed = runs_tables(repo)
+
+    shutil.rmtree(repo / "runs")
+    sh(repo, PY, "-m", "pipelines.run", "--workers", "2")
+    assert runs_tables(repo) == resumed  # bit-identical

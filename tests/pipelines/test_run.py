@@ -1,0 +1,302 @@
+"""The grid runner under signals, concurrency and leftovers (issue 9), with a fake DVC and fake cells
+(tests/pipelines/fakes.py): the runner's own process handling, in seconds. tests/pipelines/test_interrupts.py
+does the same with real DVC and real cells (slow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ablations.config import Params
+from ablations.grid import cells, upstream_stages
+from pipelines import run
+from tests.conftest import REPO, repo_params
+from tests.pipelines.fakes import committed, runner_script
+from tests.pipelines.test_e2e import TINY
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """A directory that looks like the repository to the runner: params.yaml (the tiny grid) and .dvc/."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(repo_params(TINY), sort_keys=False))
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / "fake").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def env(workdir: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "FAKE_DIR": str(workdir / "fake"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'none.db'}",  # never created: no MLflow work
+        **extra,
+    }
+
+
+def start_runner(workdir: Path, **extra: str) -> subprocess.Popen:
+    """The runner in its own process group (as a terminal's foreground job), recording after every cell."""
+    return subprocess.Popen(
+        [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0", "--no-analysis"],
+        cwd=workdir,
+        env=env(workdir, **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """A live process (a zombie waiting for its reaper does not count)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def children(pid: int, word: bytes) -> list[int]:
+    """Child processes of ``pid`` whose command line (arguments joined by NUL) contains ``word``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and word in (stat.parent / "cmdline").read_bytes():
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def worker_pids(workdir: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in (workdir / "fake").glob("worker-*")]
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+GRID = cells(Params.model_validate(repo_params(TINY)))
+FAST = {c.stage for c in GRID[:2]}  # FAKE_FAST=2: these two finish at once, the others run for a minute
+
+
+def with_outputs(workdir: Path) -> set[str]:
+    return {c.stage for c in GRID if (workdir / c.out_dir / "summary.json").exists()}
+
+
+def fast_cells_recorded(workdir: Path):
+    def check() -> bool:
+        try:
+            return set(committed(workdir / "fake.lock")) >= FAST
+        except ValueError:  # being written
+            return False
+
+    return check
+
+
+def test_sigterm_stops_every_worker_records_finished_cells_and_exits_with_one_line(workdir):
+    proc = start_runner(workdir, FAKE_FAST="2")  # baselines finish at once, PPO cells run for a minute
+    wait_for(fast_cells_recorded(workdir))
+    wait_for(lambda: len(worker_pids(workdir)) == 2 and all(map(alive, worker_pids(workdir))))
+    proc.send_signal(signal.SIGTERM)  # `kill <pid>` / `timeout`: the runner only, not its group
+    rc, out, err = finish(proc)
+    assert rc == 143, (out, err)
+    assert err.count("\n") == 1 and err.startswith("stopped by SIGTERM: 2 finished cells are recorded"), err
+    time.sleep(0.5)
+    assert not [p for p in worker_pids(workdir) if alive(p)]
+    assert set(committed(workdir / "fake.lock")) == with_outputs(workdir) == FAST
+
+
+def test_double_ctrl_c_during_a_commit_leaves_a_whole_lock_file(workdir):
+    # The fake commit rewrites its lock in place over 1 s: had Ctrl-C reached it, the file would be cut.
+    proc = start_runner(workdir, FAKE_FAST="2", FAKE_COMMIT_S="1")
+    wait_for(lambda: (workdir / "fake/committing").exists())
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
+    recorded = committed(workdir / "fake.lock")  # parses: whole
+    assert recorded and set(recorded) == with_outputs(workdir)  # every finished cell, nothing else
+    assert not [p for p in worker_pids(workdir) if alive(p)]
+
+
+def test_ctrl_c_while_the_workers_start_ends_with_one_line(workdir):
+    proc = start_runner(workdir)
+    wait_for(lambda: children(proc.pid, b"spawn_main"))  # a worker is being started: imports, not yet set up
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
+
+
+def test_sigkill_of_the_runner_keeps_recorded_cells_and_takes_the_workers_with_it(workdir):
+    proc = start_runner(workdir, FAKE_FAST="2")
+    wait_for(fast_cells_recorded(workdir))
+    wait_for(lambda: len(worker_pids(workdir)) == 2)
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc)
+    wait_for(lambda: not [p for p in worker_pids(workdir) if alive(p)], timeout=10)  # PR_SET_PDEATHSIG
+    assert set(committed(workdir / "fake.lock")) >= FAST
+
+
+def test_a_second_runner_is_refused_naming_the_first_ones_pid(workdir, capsys):
+    hold = "\n".join(["import time", "from pipelines.run import runner_lock", "with runner_lock():"]) + (
+        "\n    print(1, flush=True)\n    time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold],
+        cwd=workdir,
+        env=env(workdir),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        called = []
+        rc = run.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
+        err = capsys.readouterr().err
+        assert rc == 2 and err == (
+            f"error: another runner (pid {holder.pid}) is working in this repository; wait for it, or stop it with "
+            f"`kill {holder.pid}`\n"
+        )
+        assert not called
+    finally:
+        holder.kill()
+        holder.wait()
+    with run.runner_lock():  # the kernel released the dead holder's lock
+        pass
+
+
+def test_the_interpreter_check_fails_before_any_compute(workdir, monkeypatch, capsys):
+    # A shell that puts another `python` first on PATH: what DVC's stage commands would then run.
+    other = workdir / "other-bin"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho /usr\necho /usr/bin/python3\n")
+    (workdir / "shell").write_text(f'#!/bin/sh\nPATH="{other}:$PATH"; export PATH\nexec /bin/sh "$@"\n')
+    for f in (other / "python", workdir / "shell"):
+        f.chmod(0o755)
+    run.check_interpreter(run.stage_env())  # with the user's own shell it passes
+    monkeypatch.setenv("SHELL", str(workdir / "shell"))
+    called = []
+    rc = run.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "DVC's stage commands would run `python` = /usr/bin/python3 (environment /usr)" in err
+    assert not called and not (workdir / ".dvc/tmp").exists()  # nothing ran, nothing was written
+
+
+def test_stage_env_puts_this_interpreter_first():
+    path = run.stage_env()["PATH"].split(os.pathsep)
+    assert path[0] == os.path.dirname(sys.executable)
+
+
+def test_a_failing_dvc_ends_with_one_line_and_no_traceback(workdir, monkeypatch, capsys):
+    monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    rc = run.main(["--workers", "1"], run_cell=lambda p, c: None)
+    err = capsys.readouterr().err
+    upstream = " ".join(upstream_stages(Params.model_validate(repo_params(TINY))))
+    assert rc == 1 and err == f"error: `dvc repro {upstream}` failed (exit 3); DVC's message is above\n"
+
+
+def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir, capsys, monkeypatch):
+    from pipelines.common import atomic_dir, write_atomic
+    from pipelines.leftovers import clean_temp, temp_sibling
+
+    leftovers = [
+        temp_sibling(workdir / "runs/ppo/reward_k1-0.1-0"),  # atomic_dir of a killed cell
+        temp_sibling(workdir / "models/rm.pt"),  # save_checkpoint
+        temp_sibling(workdir / "dvc.lock"),  # pipelines.lockfile
+        workdir / ".reports-tmp-ab12_x9z",  # tempfile.TemporaryDirectory of the analysis stage
+    ]
+    leftovers[0].mkdir(parents=True)
+    (leftovers[0] / "summary.json").write_text("{}")
+    keep = [
+        workdir / "runs/ppo/reward_k1-0.1-1/summary.json",
+        workdir / "runs/ppo/x.tmp-12345678",
+        workdir / ".dvc/tmp/.x.tmp-12345678",
+        workdir / "models/.notes",
+    ]
+    for p in leftovers[1:] + keep:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("x")
+    with atomic_dir(workdir / "runs/ppo/reward_k1-0.1-1") as tmp:  # replacing a directory leaves nothing behind
+        write_atomic(tmp / "summary.json", "{}")
+    assert sorted(clean_temp(workdir)) == sorted(leftovers)
+    assert all(p.exists() for p in keep) and not any(p.exists() for p in leftovers)
+    # And the runner does it at start (then stops at the fake `dvc repro`).
+    leftovers[1].write_text("x")
+    monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    run.main(["--workers", "1"], run_cell=lambda p, c: None)
+    assert not leftovers[1].exists() and "removed 1 temporary files" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # creating an MLflow store takes ~5 s of CPU (its schema migrations)
+def test_stale_running_mlflow_runs_are_marked_failed(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import tracking
+
+    client = MlflowClient(tracking.tracking_uri())
+    exp = client.create_experiment("e")
+    runs = {s: client.create_run(exp, tags={tracking.STAGE_TAG: s}).info.run_id for s in ("a", "b", "c")}
+    client.set_terminated(runs["c"], "FINISHED")
+    assert tracking.fail_running("e", "gone", stages={"a"}) == ["a"]
+    assert sorted(tracking.fail_running("e", "gone")) == ["b"]
+    status = {s: client.get_run(r).info.status for s, r in runs.items()}
+    assert status == {"a": "FAILED", "b": "FAILED", "c": "FINISHED"}
+    assert client.get_run(runs["b"]).data.tags["failure"] == "gone"
+    assert tracking.fail_running("no such experiment", "gone") == []
+
+
+def test_no_mlflow_store_is_created_by_the_stale_run_check(tmp_path, monkeypatch):
+    from pipelines import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'absent.db'}")
+    assert tracking.fail_running("e", "gone") == [] and not (tmp_path / "absent.db").exists()
+
+
+def test_a_damaged_checkpoint_fails_naming_the_file(tmp_path):
+    import torch
+
+    from pipelines.common import CheckpointError, load_checkpoint, save_checkpoint
+
+    path = tmp_path / "rm.pt"
+    save_checkpoint(path, {"w": torch.zeros(100)})
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match=rf"^{path}: cannot load checkpoint \(.*\); it is damaged"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"missing\.pt: missing"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_a_commit_killed_by_a_signal_is_retried_once_and_then_reported(workdir, monkeypatch, capsys):
+    # First call: killed by SIGKILL (as by the OOM killer); second: records.
+    script = "import os, pathlib, signal, sys; m = pathlib.Path('tried'); tried = m.exists(); m.touch(); "
+    monkeypatch.setattr(run, "COMMIT", [sys.executable, "-c", script + "tried or os.kill(os.getpid(), signal.SIGKILL)"])
+    (workdir / run.STATE).mkdir(parents=True)
+    recorder = run.Recorder(run.stage_env(), every_s=0)
+    for cell in GRID[:2]:
+        recorder.add(cell)
+    recorder.finish()
+    assert recorder.recorded == GRID[:2] and "recorded 2 more finished cells" in capsys.readouterr().out
+    # Killed again: reported in one line, with the signal.
+    monkeypatch.setattr(run, "COMMIT", [sys.executable, "-c", script + "os.kill(os.getpid(), signal.SIGKILL)"])
+    recorder.add(GRID[2])
+    with pytest.raises(run.RunnerError, match=r"^recording 1 finished cells in dvc.lock failed: killed by SIGKILL$"):
+        recorder.finish()
