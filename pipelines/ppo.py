@@ -13,7 +13,6 @@ import argparse
 import copy
 import csv
 import io
-import os
 import sys
 import time
 
@@ -97,13 +96,17 @@ def run_cell(params: Params, cell: Cell) -> dict:
         summary = {"stage": cell.stage, **axes, **out["summary"]}
         tracking.log_metrics(client, rid, out["history"], prefix="train/")
         tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
+        for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
+            rows = [{k: v for k, v in r.items() if k != "regime"} for r in out["diagnostics"] if r["regime"] == regime]
+            tracking.log_metrics(client, rid, rows, prefix=f"diagnostics/{regime}/")
         final = {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))}
         tracking.log_final(client, rid, {**final, "wall_s": wall_s})
         with atomic_dir(cell.out_dir) as tmp:
             write_json(tmp / "summary.json", summary)
             (tmp / "evals.csv").write_text(to_csv(out["evals"]))
             (tmp / "history.csv").write_text(to_csv(out["history"]))
-            (tmp / "diagnostics.csv").write_text(to_csv(out["diagnostics"]) if out["diagnostics"] else "")
+            diagnostics = to_csv(out["diagnostics"]) if out["diagnostics"] else "iteration,regime\n"  # none: a header
+            (tmp / "diagnostics.csv").write_text(diagnostics)
             run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
             client.log_artifact(rid, str(tmp / "curves.png"))
     return {**summary, "wall_s": wall_s}
@@ -119,10 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ParamsError, KeyError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
     summary = run_cell(params, cell)
-    print(
-        f"{summary['stage']}: gold {summary['final_gold']:.3f} proxy {summary['final_proxy']:.3f} "
-        f"KL {summary['final_kl']:.2f} ({summary['wall_s']:.1f}s, pid {os.getpid()})"
-    )
+    shown = {k: summary[f"final_{k}"] for k in ("gold", "proxy", "ood_gold", "kl") if f"final_{k}" in summary}
+    print(f"{summary['stage']}: " + " ".join(f"{k} {v:.3f}" for k, v in shown.items()), f"({summary['wall_s']:.1f}s)")
 
 
 if __name__ == "__main__":

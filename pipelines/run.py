@@ -355,7 +355,12 @@ class RayPool:
 
 
 def _progress(i: int, n: int, cell: Cell, s: dict, elapsed: float) -> str:
-    shown = [("gold", "final_gold", 3), ("proxy", "final_proxy", 3), ("KL", "final_kl", 2)]
+    shown = [
+        ("gold", "final_gold", 3),
+        ("proxy", "final_proxy", 3),
+        ("ood", "final_ood_gold", 3),
+        ("KL", "final_kl", 2),
+    ]
     values = " ".join(f"{label} {s[k]:.{d}f}" for label, k, d in shown if isinstance(s.get(k), int | float))
     return f"[{i}/{n}] {cell.stage}: {values} ({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
 
