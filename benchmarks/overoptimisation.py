@@ -44,17 +44,24 @@ def sanity_table(task, grammar, sft_model, reward_model) -> dict[str, dict[str, 
 
 
 def length_panel(fig, runs: dict[str, list[dict]], groups: dict[str, str]) -> None:
-    """Adds a third panel, mean response length against iterations, between run_figure's two."""
+    """Adds a third panel, mean response length against iterations, between run_figure's two; the arms' legend
+    moves there (the length panel has room below its curves)."""
     axes = fig.axes
     gs = GridSpec(1, 3, figure=fig)
     axes[0].set_subplotspec(gs[0, 0])
     axes[1].set_subplotspec(gs[0, 2])
+    axes[0].get_legend().remove()
     ax = fig.add_subplot(gs[0, 1])
     color = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(groups.values()))}
+    seen = set()
     for label, evals in runs.items():
-        ax.plot([e["iteration"] for e in evals], [e["length"] for e in evals], color=color[groups[label]])
+        group = groups[label]
+        legend = None if group in seen else group
+        seen.add(group)
+        ax.plot([e["iteration"] for e in evals], [e["length"] for e in evals], color=color[group], label=legend)
     ax.set(xlabel="PPO iteration", ylabel="mean response length (tokens)", title="length (iteration 0: SFT)")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.set_size_inches(15, 4.0)
     fig.tight_layout()
 
