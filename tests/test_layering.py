@@ -23,7 +23,5 @@ def modules():
 @pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: x if isinstance(x, str) else "")
 def test_imports_point_down_the_layers(name, path):
     own = LAYER[name.split(".")[0]]
-    wrong = sorted(
-        m for m in imported_modules(path, name) if m.split(".")[0] in LAYER and LAYER[m.split(".")[0]] > own
-    )
+    wrong = sorted(m for m in imported_modules(path, name) if m.split(".")[0] in LAYER and LAYER[m.split(".")[0]] > own)
     assert not wrong, f"{name} (layer {own}) imports {', '.join(wrong)} from a layer above it"
