@@ -3,8 +3,9 @@
 Every task is analysed separately with the same protocol (ablations/questions.py: Q1 restraint, Q2 matched
 coefficient, Q3 matched KL by construction, Q4 cross-fitted tuning, each with positive controls), then every question
 is answered again on each half of the instances (ablations/answers.py), and the report is written per task
-(ablations/report.py, ablations/plots.py). The run directories come from the grid, as a list of ExpectedRun; nothing
-else is read, and a missing run stops the analysis naming its stage.
+(ablations/report.py, ablations/plots.py), with the gradient-diagnostic table and figure of the runs that have
+diagnostics (ablations/diagnostics.py; descriptive, outside the protocol). The run directories come from the grid, as
+a list of ExpectedRun; nothing else is read, and a missing run stops the analysis naming its stage.
 
 Entry points: analyse(protocol, expected, root, lock) -> Results; write_outputs(results, out_dir) -> list[Path]
 (every task) or write_task(results, task, out_dir) (one task's folder); run(..., task=None) does both. ``lock`` is
@@ -21,9 +22,10 @@ import pandas as pd
 
 from ablations import answers as A
 from ablations import descriptive as D
+from ablations import diagnostics as G
 from ablations import report
 from ablations.config import AnalysisParams
-from ablations.load import BASELINE, ExpectedRun, MissingResultsError, load_runs
+from ablations.load import BASELINE, ExpectedRun, MissingResultsError, load_diagnostics, load_runs
 from ablations.lock import LockStatus
 from ablations.questions import answer_questions, collapse_table
 from ablations.results import Results, TaskResults
@@ -32,11 +34,20 @@ __all__ = ["ExpectedRun", "MissingResultsError", "analyse", "output_paths", "run
 
 FIGURES = ("gold_vs_kl.png", "learning_curves.png", "forest.png", "restraint.png")
 TASK_OUTPUTS = ("stats.json", "comparisons.csv", "runs.csv", *(f"figures/{f}" for f in FIGURES), "report.md")
+DIAGNOSTICS_FIGURE = "figures/diagnostics.png"  # written only when some run of the task has gradient diagnostics
+
+
+def task_outputs(tr: TaskResults) -> list[str]:
+    """The files write_task() writes for ``tr``: TASK_OUTPUTS, with DIAGNOSTICS_FIGURE before report.md when the task
+    has gradient diagnostics (it lies in figures/, which the analysis stage declares as one DVC out)."""
+    extra = [DIAGNOSTICS_FIGURE] if len(tr.diagnostic_table) else []
+    return [*TASK_OUTPUTS[:-1], *extra, TASK_OUTPUTS[-1]]
 
 
 def output_paths(tasks: Sequence[str]) -> list[str]:
-    """Every file write_outputs() writes, relative to the output folder: <task>/... per task, then the index
-    report.md and stats.json (the DVC outs and metrics of the analysis stage)."""
+    """The files write_outputs() always writes, relative to the output folder: <task>/... per task, then the index
+    report.md and stats.json (the DVC outs and metrics of the analysis stage). A task with gradient diagnostics also
+    gets <task>/figures/diagnostics.png (task_outputs)."""
     return [f"{t}/{f}" for t in tasks for f in TASK_OUTPUTS] + ["stats.json", "report.md"]
 
 
@@ -68,8 +79,15 @@ def _check(runs: pd.DataFrame, protocol: AnalysisParams) -> None:
             raise ValueError(f"task {task}: the reference arm {protocol.reference_arm} has no runs")
 
 
-def analyse_task(runs: pd.DataFrame, evals: pd.DataFrame, task: str, protocol: AnalysisParams) -> TaskResults:
-    """Every question, the split-half check and the descriptive tables of one task."""
+def analyse_task(
+    runs: pd.DataFrame,
+    evals: pd.DataFrame,
+    task: str,
+    protocol: AnalysisParams,
+    diagnostics: pd.DataFrame | None = None,
+) -> TaskResults:
+    """Every question, the split-half check and the descriptive tables of one task; the gradient-diagnostic table
+    from ``diagnostics`` (load_diagnostics rows of this task's runs; None or empty: the task has none)."""
     tp = protocol.tasks[task]
     res = answer_questions(runs, task, protocol)
     full = A.answers(res, protocol, task)
@@ -97,6 +115,18 @@ def analyse_task(runs: pd.DataFrame, evals: pd.DataFrame, task: str, protocol: A
         agreement=agreement,
         halves=halves,
         headline=A.headline(answers),
+        **_diagnostics(runs, diagnostics, protocol),
+    )
+
+
+def _diagnostics(runs: pd.DataFrame, diag: pd.DataFrame | None, protocol: AnalysisParams) -> dict:
+    """TaskResults' diagnostics fields (ablations/diagnostics.py); empty when no run has diagnostics."""
+    if diag is None or diag.empty:
+        return {}
+    return dict(
+        diagnostics=G.instance_values(diag),
+        diagnostic_table=G.table(diag, runs, 1 - protocol.alpha),
+        diagnostic_coverage=G.coverage(diag, runs),
     )
 
 
@@ -107,17 +137,22 @@ def analyse(
     decides which tasks: all of them for one analysis stage, one task's runs for a per-task stage."""
     runs, evals = load_runs(expected, root)
     _check(runs, protocol)
+    diag = load_diagnostics(runs, root)
     out = Results(protocol=protocol, lock=lock)
     for task in dict.fromkeys(runs.task):
         sel = runs.task == task
         out.tasks[task] = analyse_task(
-            runs[sel].reset_index(drop=True), evals[evals.task == task].reset_index(drop=True), task, protocol
+            runs[sel].reset_index(drop=True),
+            evals[evals.task == task].reset_index(drop=True),
+            task,
+            protocol,
+            diag[diag.task == task].reset_index(drop=True),
         )
     return out
 
 
 def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
-    """Writes one task's TASK_OUTPUTS into ``out_dir`` (its report.md last); returns them in that order."""
+    """Writes one task's task_outputs() into ``out_dir`` (its report.md last); returns them in that order."""
     from ablations import plots  # matplotlib only when writing
 
     tr, d = res.tasks[task], Path(out_dir)
@@ -127,18 +162,17 @@ def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
     tr.runs.to_csv(d / "runs.csv", index=False)
     (d / "stats.json").write_text(json.dumps(report.task_stats(tr, res), indent=2) + "\n")
     (d / "report.md").write_text(report.render_task(tr, res, {k: v.relative_to(d).as_posix() for k, v in images}))
-    return [d / f for f in TASK_OUTPUTS]
+    return [d / f for f in task_outputs(tr)]
 
 
 def write_outputs(res: Results, out_dir: Path | str) -> list[Path]:
-    """Writes output_paths() into ``out_dir``: every task into <task>/ (write_task), then the index report.md and
-    stats.json. Returns the paths in output_paths() order."""
+    """Writes every task into <task>/ (write_task), then the index report.md and stats.json into ``out_dir``.
+    Returns the paths in output_paths() order (plus each task's diagnostics figure, if any, in its place)."""
     out = Path(out_dir)
-    for task in res.tasks:
-        write_task(res, task, out / task)
+    written = [p for task in res.tasks for p in write_task(res, task, out / task)]
     (out / "stats.json").write_text(json.dumps(report.index_stats(res), indent=2) + "\n")
     (out / "report.md").write_text(report.render_index(res))
-    return [out / p for p in output_paths(list(res.tasks))]
+    return [*written, out / "stats.json", out / "report.md"]
 
 
 def run(
@@ -150,7 +184,7 @@ def run(
     task: str | None = None,
 ) -> list[Path]:
     """analyse() then write the outputs: with ``task`` (a per-task stage; ``expected`` holds that task's runs) its
-    TASK_OUTPUTS straight into ``out_dir``; without, write_outputs() (every task in a sub-folder, plus an index)."""
+    task_outputs() straight into ``out_dir``; without, write_outputs() (every task in a sub-folder, plus an index)."""
     res = analyse(protocol, expected, root, lock)
     if task is None:
         return write_outputs(res, out_dir)

@@ -8,6 +8,7 @@ Layout (one directory per run, each with summary.json, evals.csv and history.csv
 
 The caller (the grid) supplies the expected runs as ExpectedRun(stage, path); a stale directory that is not
 expected is never read. A missing, unreadable or mislabelled run raises MissingResultsError naming every such stage.
+A run's diagnostics.csv (gradient diagnostics) is optional: load_diagnostics reads it when present.
 """
 
 from __future__ import annotations
@@ -145,3 +146,51 @@ def load_runs(expected: Sequence[ExpectedRun], root: Path | str = ".") -> tuple[
 def spec_of(row: dict) -> dict[str, str]:
     """The arm's spec: every string field of a run's summary except its identity (stage, task, kind, arm)."""
     return {k: v for k, v in row.items() if isinstance(v, str) and k not in NOT_SPEC | {"path"}}
+
+
+# ---------------------------------------------------------------- gradient diagnostics
+
+DIAGNOSTICS_FILE = "diagnostics.csv"
+# what rlhf/diagnostics.py writes per row (pipelines/ppo.py: one row per checkpoint iteration and regime)
+DIAGNOSTIC_COLUMNS = (
+    "iteration", "regime", "updates", "cosine", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
+    "rel_bias_excess", "rel_var", "true_norm", "true_rel_se",
+)  # fmt: skip
+RUN_TAGS = ("task", "kind", "instance", "seed", "arm", "level", "stage")
+
+
+def load_diagnostics(runs: pd.DataFrame, root: Path | str = ".") -> pd.DataFrame:
+    """The gradient-diagnostic rows of every run in ``runs`` (load_runs' table, which has each run's ``path``): one
+    row per run, checkpoint iteration and regime with DIAGNOSTIC_COLUMNS, tagged with RUN_TAGS.
+
+    A run contributes no rows when its diagnostics.csv is header-only ("iteration,regime": the cell ran with
+    diagnostics off) or ABSENT. Absent is read as "no diagnostics", not as a missing result, because cells written
+    before diagnostics.csv existed (before commit 950ad8a) lack it, and load_runs has already checked that the run
+    itself is complete (a cell's files are written together, atomically). A file that exists but cannot be parsed,
+    or has rows but lacks a column, raises MissingResultsError naming every such stage."""
+    root = Path(root)
+    frames, problems = [], []
+    for r in runs.to_dict("records"):
+        p = root / r["path"] / DIAGNOSTICS_FILE
+        if not p.is_file():
+            continue
+        try:
+            d = pd.read_csv(p)
+        except (OSError, ValueError) as e:
+            problems.append(f"stage {r['stage']}: cannot read {p}: {e}")
+            continue
+        if d.empty:
+            continue
+        lacking = [c for c in DIAGNOSTIC_COLUMNS if c not in d.columns]
+        if lacking:
+            problems.append(f"stage {r['stage']}: {p} lacks {', '.join(lacking)}")
+            continue
+        frames.append(d[list(DIAGNOSTIC_COLUMNS)].assign(**{k: r[k] for k in RUN_TAGS}))
+    if problems:
+        raise MissingResultsError(
+            f"{len(problems)} run(s) have an unusable {DIAGNOSTICS_FILE} (rerun the stage):\n  " + "\n  ".join(problems)
+        )
+    if not frames:
+        return pd.DataFrame(columns=[*RUN_TAGS, *DIAGNOSTIC_COLUMNS])
+    out = pd.concat(frames, ignore_index=True)
+    return out[[*RUN_TAGS, *DIAGNOSTIC_COLUMNS]].astype({"instance": int, "seed": int, "iteration": int})

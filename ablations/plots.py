@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker as ticker
 import numpy as np
 
 from ablations.config import AnalysisParams
@@ -171,11 +172,66 @@ def restraint(tr: TaskResults, proto: AnalysisParams, path: Path) -> Path:
     return _save(fig, path)
 
 
+REGIME_STYLE = {"on_policy": ("tab:blue", "o", 0.17), "off_policy": ("tab:orange", "s", -0.17)}  # colour, marker, dy
+DIAGNOSTIC_PANELS = (  # metric, axis label, reference lines, log scale
+    ("cosine", "cosine(estimate, true gradient)", (0.0, 1.0), False),
+    ("scale", "scale <ĝ, g*> / |g*|² (1 = right strength)", (0.0, 1.0), False),
+    ("rel_bias", "relative bias |ĝ − g*| / |g*| (1 = a zero estimate)", (1.0,), True),
+)
+
+
+def diagnostics(tr: TaskResults, level: float, path: Path) -> Path:
+    """Gradient diagnostics (ablations/diagnostics.py): per arm (rows, in the table's order) and regime (on-policy
+    blue circles above, off-policy orange squares below), each instance's value as a small point and the mean over
+    instances with its t CI at ``level``; panels cosine, scale and relative bias (log axis; grey ticks: the mean
+    noise floor rel_bias_noise, the relative bias that sampling noise alone would give)."""
+    t, iv = tr.diagnostic_table, tr.diagnostics
+    arms = list(dict.fromkeys(t.arm))
+    y = {a: len(arms) - 1 - i for i, a in enumerate(arms)}
+    fig, axes = plt.subplots(1, len(DIAGNOSTIC_PANELS), figsize=(14, 1.4 + 0.42 * len(arms)), sharey=True)
+    for ax, (m, label, refs, log) in zip(axes, DIAGNOSTIC_PANELS):
+        for ref in refs:
+            ax.axvline(ref, color="black", lw=0.7, ls="-" if ref == 0 else ":")
+        for r in t.itertuples():
+            col, marker, dy = REGIME_STYLE.get(r.regime, ("black", "x", 0.0))
+            yy = y[r.arm] + dy
+            pts = iv[(iv.arm == r.arm) & (iv.regime == r.regime)][m].to_numpy(float)
+            pts = pts[np.isfinite(pts) & ((pts > 0) if log else True)]
+            ax.plot(pts, np.full(len(pts), yy), marker, color=col, ms=3, alpha=0.45, mfc="none")
+            ax.plot([getattr(r, f"{m}_lo"), getattr(r, f"{m}_hi")], [yy, yy], color=col, lw=1.8)
+            ax.plot([getattr(r, f"{m}_mean")], [yy], marker, color=col, ms=6)
+            if m == "rel_bias":
+                ax.plot([r.rel_bias_noise_mean], [yy], "|", color="gray", ms=10, mew=2)
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel(label, fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    several = "algorithm" in t and t.algorithm.nunique() > 1  # then each label names its algorithm
+    names = {r.arm: f"{r.arm} ({r.algorithm})" if several else r.arm for r in t.itertuples()}
+    axes[0].set_yticks(list(y.values()), [names[a] for a in y], fontsize=7)
+    axes[0].set_ylim(-0.6, len(arms) - 0.4)
+    handles = [plt.Line2D([], [], color=c, marker=mk, ls="", label=g.replace("_", "-"))
+               for g, (c, mk, _) in REGIME_STYLE.items()]  # fmt: skip
+    handles.append(plt.Line2D([], [], color="gray", marker="|", ls="", ms=10, mew=2, label="noise floor (mean)"))
+    fig.legend(handles=handles, loc="lower center", ncol=3, frameon=False, fontsize=8)
+    fig.suptitle(f"{tr.task}: each arm's KL-gradient estimate vs the true gradient of the sequence KL "
+                 f"(small: instances; large: mean with {level:.0%} CI)", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.3 / (1.4 + 0.42 * len(arms)), 1, 1))
+    return _save(fig, path)
+
+
 def all_figures(tr: TaskResults, proto: AnalysisParams, folder: Path) -> list[tuple[str, Path]]:
-    """Writes the four figures into ``folder``; returns (title, path) pairs in report order."""
-    return [
+    """Writes the four figures into ``folder`` (and the gradient-diagnostics figure when the task has
+    diagnostics); returns (title, path) pairs in report order."""
+    out = [
         ("Gold vs KL, every run", gold_vs_kl(tr, folder / "gold_vs_kl.png")),
         ("Learning curves", learning_curves(tr, folder / "learning_curves.png")),
         ("Comparisons with their TOST 90% CIs and margins (forest plot)", forest(tr, folder / "forest.png")),
         ("Q1 restraint and collapse", restraint(tr, proto, folder / "restraint.png")),
     ]
+    if len(tr.diagnostic_table):
+        out.append(("Gradient diagnostics", diagnostics(tr, 1 - proto.alpha, folder / "diagnostics.png")))
+    return out

@@ -12,6 +12,7 @@ import pandas as pd
 from ablations import answers as A
 from ablations import stats as S
 from ablations import tables as T
+from ablations.diagnostics import METRICS
 from ablations.results import Results, TaskResults
 
 _f, _ci = T.fmt, T.ci
@@ -140,6 +141,49 @@ def answer_paragraph(tr: TaskResults, proto) -> list[str]:
 # ---------------------------------------------------------------- report.md
 
 
+def _cells(cells: list) -> str:
+    """ "fixed coef 0.03, 0.1; matched KL 2" from (kind, level) pairs."""
+    what = {"fixed": "fixed coef", "matched": "matched KL", "baseline": "no KL"}
+    by: dict[str, list] = {}
+    for kind, level in cells:
+        by.setdefault(kind, []).append("" if level is None else f"{level:g}")
+    return "; ".join(f"{what.get(k, k)} {', '.join(v)}".strip() for k, v in by.items())
+
+
+def diagnostic_lines(tr: TaskResults, p) -> list[str]:
+    """The gradient-diagnostic section: the table, what it compares on which runs, and how to read it; one line
+    when no run of the task has diagnostics."""
+    t, c = tr.diagnostic_table, tr.diagnostic_coverage
+    if t.empty:
+        return ["No run of this task has gradient diagnostics (`diagnostics` in the task's `ppo` section of "
+                "params.yaml was off, or the runs predate diagnostics.csv): no table and no figure."]  # fmt: skip
+    level = f"{1 - p.alpha:.0%}"
+    _, common = T.diagnostic_spec(t)
+    missing = c["runs_total"] - c["runs_with"]
+    L = [
+        T.diagnostics_table(t),
+        "",
+        "Each row compares the arm's own KL-gradient estimate (the gradient of its KL term as the training loop "
+        "applies it, on one minibatch, per unit coefficient) with an unbiased estimate of the true gradient of the "
+        "sequence-level KL(π_θ‖π_ref) to the reference, on-policy and after the arm's own off-policy updates "
+        f"(epochs × minibatches − 1 on the iteration's batch), at checkpoint iteration(s) "
+        f"{', '.join(map(str, c['checkpoints']))}, in {c['runs_with']} of the {c['runs_total']} KL-arm runs "
+        f"({_cells(c['cells'])}) on instance(s) {', '.join(map(str, c['instances']))}; each instance's runs and "
+        f"checkpoints are averaged, then mean [{level} t CI] over instances, n = instances (rlhf/diagnostics.py "
+        "defines every metric).",
+        "",
+        "Scale 1 is the true gradient's strength per unit coefficient; a relative bias of 1 is no closer to the true "
+        "gradient than a zero gradient; the noise floor (mean) is the relative bias that sampling noise alone would "
+        "give, and *beyond noise* removes it. The cosine of the mean estimate does not shrink for a mean-zero "
+        "estimator (its mean is noise); the one-minibatch cosine and the scale do.",
+    ]
+    if common:
+        L += ["", f"Common to every row: {common}."]
+    if missing:
+        L += ["", f"{missing} KL-arm run(s) have no diagnostics (header-only or no diagnostics.csv) and are not in it."]
+    return L
+
+
 def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
     """A task's report.md: the answer, scope, lock, one section per question, the factorial view, secondary
     outcomes, stability, figures and the protocol."""
@@ -205,6 +249,7 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
     L += ["## Factorial view: placement × estimator (final gold)", "", f"Crossed set: {tr.crossed}.", ""]
     L += [T.factorial_table(tr.factorial), ""] if len(tr.factorial) else []
     L += ["## Secondary outcomes: response length and empty responses", "", *T.secondary_lines(tr.secondary, p), ""]
+    L += ["## Gradient diagnostics: each arm's KL gradient against the true one", "", *diagnostic_lines(tr, p), ""]
     ag = tr.agreement
     L += [
         "## Stability (split-half)",
@@ -273,8 +318,24 @@ def task_stats(tr: TaskResults, res: Results) -> dict:
                 "verdicts": len(tr.agreement),
             },
             "diff": {f"{r.family}/{r.label}": r.diff for r in c.itertuples()},
+            "gradient_diagnostics": diagnostic_stats(tr),
         }
     )
+
+
+def diagnostic_stats(tr: TaskResults) -> dict:
+    """The gradient-diagnostic table's numbers: coverage, and per "<arm>/<regime>" its updates, instances, runs and
+    each metric's mean, sd, CI and n ({} rows when the task has no diagnostics)."""
+    t = tr.diagnostic_table
+    rows = {
+        f"{r['arm']}/{r['regime']}": {
+            "updates": r["updates"], "instances": r["instances"], "runs": r["runs"],
+            **{m: {k: r[f"{m}_{k}"] for k in ("mean", "sd", "lo", "hi", "n")} for m in METRICS},
+        }
+        for r in t.to_dict("records")
+    }  # fmt: skip
+    cov = {k: v for k, v in tr.diagnostic_coverage.items() if k != "cells"}
+    return {"runs_with": 0, **cov, "rows": rows}
 
 
 def index_stats(res: Results) -> dict:

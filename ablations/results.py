@@ -20,7 +20,9 @@ class TaskResults:
     rates; tuning: Q4 cross-fitting selections; collapse: collapse rate per cell; cells: cell summaries with the
     bimodality flag; factorial: placement x estimator tests; secondary: length and empty share; answers: one row per
     (question, metric) with the full-data answer, its split-half status and the reported answer; agreement: every
-    verdict on the full data and on each half."""
+    verdict on the full data and on each half. diagnostics: gradient diagnostics per (arm, regime, instance);
+    diagnostic_table: their aggregate per (arm, regime); diagnostic_coverage: the runs and checkpoints pooled
+    (ablations/diagnostics.py; all empty when no run has diagnostics)."""
 
     task: str
     scope: str
@@ -40,6 +42,9 @@ class TaskResults:
     agreement: pd.DataFrame
     halves: tuple[list, list]
     headline: str
+    diagnostics: pd.DataFrame = field(default_factory=pd.DataFrame)
+    diagnostic_table: pd.DataFrame = field(default_factory=pd.DataFrame)
+    diagnostic_coverage: dict = field(default_factory=dict)
 
 
 @dataclass

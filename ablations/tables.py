@@ -10,6 +10,7 @@ import pandas as pd
 
 from ablations import stats as S
 from ablations.config import AnalysisParams
+from ablations.diagnostics import is_off
 from ablations.load import BASELINE
 
 
@@ -245,3 +246,61 @@ def methods(tr, p: AnalysisParams) -> list[str]:
         f"- {scale_words(tr.runs, tp.margins['gold'], p.reference_arm)}",
         "",
     ]
+
+
+# ---------------------------------------------------------------- gradient diagnostics
+
+SPEC_NAMES = {"algorithm": "algorithm", "group_size": "group", "target": "target", "placement": "placement",
+              "estimator": "estimator", "is_weight": "IS weight", "aggregation": "aggregation",
+              "return_to_go": "return-to-go", "both_split": "both split", "ref_sync_every": "ref. sync every",
+              "ref_sync_alpha": "ref. sync α"}  # fmt: skip
+DIAGNOSTIC_COLUMNS = {"cosine": "cosine", "cosine_minibatch": "cosine, one minibatch", "scale": "scale",
+                      "rel_bias": "rel. bias", "rel_bias_excess": "rel. bias beyond noise",
+                      "rel_var": "rel. variance (one minibatch)"}  # fmt: skip
+
+
+def g3(x) -> str:
+    """Three significant digits (no exponent below 1000); "–" for None/NaN/inf."""
+    if x is None or not np.isfinite(x):
+        return "–"
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:#.3g}".rstrip(".")
+
+
+def _spec_value(v) -> str:
+    if isinstance(v, bool | np.bool_):
+        return "yes" if v else "–"
+    return "–" if is_off(v) else (f"{v:g}" if isinstance(v, float) else str(v))
+
+
+def diagnostic_spec(t: pd.DataFrame) -> tuple[list[str], str]:
+    """The spec fields that differ between the table's arms (its columns) and "field value, ..." for the rest."""
+    fields = [f for f in SPEC_NAMES if f in t.columns]
+    varying = [f for f in fields if t[f].map(_spec_value).nunique() > 1]
+    common = ", ".join(f"{SPEC_NAMES[f]} {_spec_value(t[f].iloc[0])}" for f in fields if f not in varying)
+    return varying, common
+
+
+def _estimate(r, m: str) -> str:
+    """ "mean [lo, hi]", with "(n k)" when fewer instances than the row's have a value."""
+    n = getattr(r, f"{m}_n")
+    if n == 0:
+        return "– (estimate 0)" if m.startswith("cosine") else "–"
+    ci_ = f" [{g3(getattr(r, f'{m}_lo'))}, {g3(getattr(r, f'{m}_hi'))}]" if n > 1 else ""
+    return f"{g3(getattr(r, f'{m}_mean'))}{ci_}" + (f" (n {n})" if n < r.instances else "")
+
+
+def diagnostics_table(t: pd.DataFrame) -> str:
+    """One row per arm x regime: the varying spec fields, regime, instances and runs, each metric's mean over
+    instances with its CI, and the noise floor of the relative bias (mean)."""
+    varying, _ = diagnostic_spec(t)
+    rows = []
+    for r in t.itertuples():
+        regime = "on-policy" if r.regime == "on_policy" else f"off-policy ({r.updates} updates)"
+        row = {"arm": r.arm, **{SPEC_NAMES[f]: _spec_value(getattr(r, f)) for f in varying}, "regime": regime,
+               "n (runs)": f"{r.instances} ({r.runs})"}  # fmt: skip
+        for m, name in DIAGNOSTIC_COLUMNS.items():
+            row[name] = _estimate(r, m)
+            if m == "rel_bias":
+                row["noise floor"] = g3(r.rel_bias_noise_mean)
+        rows.append(row)
+    return md(rows)

@@ -6,6 +6,11 @@ Each run's final exact KL follows from its arm and coefficient (fixed runs), its
 planted to restrain less, to gain or lose gold, to crash past a KL level (late collapse), or to ignore its KL
 controller (not steerable); single runs can be planted to miss their KL target.
 
+Gradient diagnostics (diagnostics.csv, as pipelines/ppo.py writes it): ``diagnostics`` plants per arm and regime
+the mean of each metric; every run of such an arm (of the kinds in ``diag_kinds``) gets one row per checkpoint in
+``DIAG_AT`` and regime, the planted value plus an instance offset and row noise. Every other run gets the header-only
+file of a cell with diagnostics off, or no file at all (``diag_absent``: runs written before the file existed).
+
 ``python -m tests.ablations.synthetic OUT`` writes a sample report from a synthetic two-task grid into OUT.
 """
 
@@ -23,6 +28,40 @@ import pandas as pd
 from ablations.load import BASELINE, ExpectedRun
 
 ITERS = np.arange(0, 65, 5)
+DIAG_AT = (20, 40)
+DIAG_UPDATES = 7  # off-policy updates of the default ppo section: 4 epochs x 2 minibatches - 1
+
+
+def planted(cosine, scale, rel_bias, noise, rel_var, cosine_minibatch=None) -> dict[str, float]:
+    """A planted diagnostic row's metrics (rel_bias_excess follows from rel_bias and its noise floor)."""
+    mb = cosine / 2 if cosine_minibatch is None else cosine_minibatch
+    return dict(cosine=cosine, cosine_minibatch=mb, scale=scale, rel_bias=rel_bias, rel_bias_noise=noise,
+                rel_var=rel_var)  # fmt: skip
+
+
+# what the theory says (magnitudes as in benchmarks/diagnostics.json): k1 in the reward and k2 in the loss follow the
+# true gradient on-policy; k1 in the loss has a mean-zero gradient; off-policy every estimate drifts
+THEORY = {
+    "reward_k1": {"on_policy": planted(0.8, 1.0, 0.9, 0.9, 11.0), "off_policy": planted(0.64, 0.71, 0.91, 0.82, 9.8)},
+    "loss_k1": {"on_policy": planted(0.14, 0.03, 0.99, 0.43, 0.9), "off_policy": planted(0.05, 0.01, 1.0, 0.4, 0.8)},
+    "reward_k2": {"on_policy": planted(0.3, 1.6, 5.7, 4.9, 389.0), "off_policy": planted(0.14, 0.74, 5.3, 5.0, 404)},
+    "loss_k2": {"on_policy": planted(0.8, 1.0, 0.9, 0.9, 11.0), "off_policy": planted(0.7, 0.9, 0.8, 0.7, 9.0)},
+}
+
+
+def _diagnostics_csv(plant: dict[str, dict[str, float]], offset: float, rng) -> pd.DataFrame:
+    """Rows of one run's diagnostics.csv: every checkpoint x planted regime, value + offset + noise (1% of |value|
+    for the positive, unbounded metrics)."""
+    rows = []
+    for it in DIAG_AT:
+        for regime, metrics in plant.items():
+            v = {m: x + offset + rng.normal(0, 0.01) if m.startswith("cosine") or m == "scale"
+                 else x * (1 + offset + rng.normal(0, 0.01)) for m, x in metrics.items()}  # fmt: skip
+            v["rel_bias_excess"] = math.sqrt(max(v["rel_bias"] ** 2 - v["rel_bias_noise"] ** 2, 0.0))
+            updates = 0 if regime == "on_policy" else DIAG_UPDATES
+            rows.append({"iteration": it, "regime": regime, "updates": updates, **v, "true_norm": 3.2,
+                         "true_rel_se": 0.3})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 @dataclass(frozen=True)
@@ -53,10 +92,13 @@ def _curves(task: str, kl: np.ndarray) -> dict[str, np.ndarray]:
     return {"gold": 0.12 * np.sqrt(kl) - 0.03 * kl}
 
 
-def _write(root: Path, rel: Path, summary: dict, ev: pd.DataFrame) -> None:
+def _write(root: Path, rel: Path, summary: dict, ev: pd.DataFrame, diag: pd.DataFrame | None) -> None:
+    """A run directory; ``diag`` None: no diagnostics.csv, empty: the header-only file of diagnostics off."""
     d = root / rel
     d.mkdir(parents=True, exist_ok=True)
     ev.to_csv(d / "evals.csv", index=False)
+    if diag is not None:
+        (d / "diagnostics.csv").write_text(diag.to_csv(index=False) if len(diag) else "iteration,regime\n")
     pd.DataFrame({"iteration": ev.iteration, "kl_coef": summary["coef"]}).to_csv(d / "history.csv", index=False)
     (d / "summary.json").write_text(json.dumps(summary))
 
@@ -76,12 +118,19 @@ def write_runs(
     noise: float = 0.005,
     rng_seed: int = 0,
     curves=None,
+    diagnostics: dict[str, dict[str, dict[str, float]]] | None = None,
+    diag_kinds=("fixed", "matched"),
+    diag_absent: bool = False,
 ) -> list[ExpectedRun]:
     """Writes every run of a synthetic grid under ``root``; returns the expected runs. ``misses``: (arm, target,
-    instance, seed) runs that end 60% above their target; ``curves(task, kl)`` replaces the gold-vs-KL curves."""
+    instance, seed) runs that end 60% above their target; ``curves(task, kl)`` replaces the gold-vs-KL curves;
+    ``diagnostics``, ``diag_kinds``, ``diag_absent``: the gradient diagnostics (module docstring)."""
     arms = CROSSED if arms is None else arms
     behaviours = behaviours or {}
+    diagnostics = diagnostics or {}
     rng = np.random.default_rng(rng_seed)
+    drng = np.random.default_rng(rng_seed + 1)  # its own stream: planting diagnostics changes no other value
+    doff = {i: drng.normal(0, 0.02) for i in instances}
     out = []
     inst = {i: (rng.normal(0, 0.02), 1 + rng.normal(0, 0.1), 18 * (1 + rng.normal(0, 0.1))) for i in instances}
     cells = [(BASELINE, "baseline", None)]
@@ -124,7 +173,11 @@ def write_runs(
                     **{f"sft_{m}": float(ev[m].iloc[0]) for m in ev.columns if m != "iteration"},
                     peak_gold=float(ev.gold.max()), peak_gold_iteration=int(ev.iteration[ev.gold.idxmax()]),
                 )  # fmt: skip
-                _write(root, rel, summary, ev)
+                if arm in diagnostics and kind in diag_kinds:
+                    diag = _diagnostics_csv(diagnostics[arm], doff[i], drng)
+                else:
+                    diag = None if diag_absent else pd.DataFrame()
+                _write(root, rel, summary, ev, diag)
                 out.append(ExpectedRun(summary["stage"], rel))
     return out
 
@@ -146,8 +199,8 @@ def protocol(tasks=("grammar",), **overrides):
 
 
 def sample(out: Path) -> list[Path]:
-    """A sample report: grammar with a planted late collapse of loss_k1 and a non-restraining old-policy arm,
-    arithmetic with no planted difference; 6 instances x 1 seed."""
+    """A sample report: grammar with a planted late collapse of loss_k1, a non-restraining old-policy arm and the
+    gradient diagnostics of THEORY, arithmetic with no planted difference and no diagnostics; 6 instances x 1 seed."""
     from ablations import analysis
 
     root = out / "synthetic"
@@ -157,7 +210,9 @@ def sample(out: Path) -> list[Path]:
         "old_loss_k2": Behaviour(restraint=0.2),
         "loss_k2": Behaviour(length_offset=0.8),
     }
-    expected = write_runs(root, task="grammar", arms=arms, behaviours=beh, misses={("reward_k2", 8.0, 3, 0)})
+    expected = write_runs(
+        root, task="grammar", arms=arms, behaviours=beh, misses={("reward_k2", 8.0, 3, 0)}, diagnostics=THEORY
+    )
     expected += write_runs(root, task="arithmetic", arms=CROSSED, rng_seed=1, targets=(2.0, 6.0))
     from ablations.lock import protocol_lock
 
