@@ -17,8 +17,8 @@ install: $(STAMP)
 check-params: install        ## validate params.yaml without running anything
 	$(PY) -m ablations.config
 
-repro: install               ## data -> sft -> rm -> every stale grid cell on all cores -> analysis
-	$(PY) -m pipelines.run
+repro: install               ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; RUN_ARGS="--gpus 0,1"
+	$(PY) -m pipelines.run $(RUN_ARGS)
 
 dvc-repro: check-params      ## the same, one stage at a time, by plain DVC
 	dvc repro
@@ -38,8 +38,10 @@ ui: install                  ## browse runs at http://127.0.0.1:5000; prints the
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db \
 	  --host 127.0.0.1 --port 5000 --workers 1
 
-bench: install               ## PPO speed: this tree vs the pre-speed-up baseline, CPU pin off/on (-> benchmarks/out/)
+bench: install               ## speed on CPU (-> benchmarks/out/): PPO vs the pre-speed-up baseline, tiny vs hf backend, PPO vs GRPO/RLOO/REINFORCE++
 	$(PY) benchmarks/bench_ppo.py --profile
+	$(PY) benchmarks/bench_backends.py
+	$(PY) benchmarks/bench_algorithms.py
 
 figure: install              ## the over-optimisation figure in docs/
 	$(PY) benchmarks/overoptimisation.py

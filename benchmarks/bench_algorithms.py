@@ -1,4 +1,4 @@
-"""Cost of one training iteration per algorithm at equal sampled tokens, one CPU thread, default params.yaml.
+"""Cost of one training iteration per algorithm at equal sampled tokens, one CPU thread, params.yaml's grammar task.
 
     python benchmarks/bench_algorithms.py [--iterations 10] [--repeats 3] [--group-size 8]
 
@@ -7,11 +7,15 @@ the same batch (batch_size responses of at most max_new_tokens tokens), epochs a
 minibatches, with the reference arm's KL at the middle coefficient; grpo and rloo sample ``--group-size``
 responses for each of batch_size / group_size prompts. Each repeat runs every algorithm once, in turn (so drift
 on a shared machine hits them alike); the medians over repeats of seconds per iteration and per 1,000 sampled
-response tokens are reported with their ratio to PPO in the same run. Writes benchmarks/algorithms.json.
+response tokens are reported with their ratio to PPO in the same run. Upstream models as the DVC stages make them
+(grammar instance 0). Results: stdout and benchmarks/out/algorithms.json (git-ignored).
 """
 
 from __future__ import annotations
 
+import pipelines  # noqa: F401  (first: pins the CPU math paths before torch loads, as every stage does)
+
+# isort: split
 import argparse
 import copy
 import json
@@ -28,17 +32,24 @@ from pipelines.upstream import build_upstream
 from rlhf.config import ALGORITHMS, GROUPED, PPOConfig
 from rlhf.ppo import train_ppo
 
+OUT = Path(__file__).resolve().parent / "out" / "algorithms.json"
+
 
 def upstream(params, device):
-    """(task, grammar, SFT model, reward model) as the DVC stages make them (the first task instance)."""
-    return build_upstream(params, device)[:4]
+    """(data, task, SFT model, reward model) of grammar instance 0, as the DVC stages make them."""
+    return build_upstream(params, 0, device)[:4]
 
 
 def reference_config(params) -> PPOConfig:
-    """The run config of the reference arm at the middle coefficient, first seed: the benchmarks' common arm."""
-    mid = params.grid.coefs[len(params.grid.coefs) // 2]
-    cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
-    return params.ppo_config(cell.kl, cell.seed)
+    """The run config of the reference arm at the grammar task's middle coefficient, first instance and seed."""
+    coefs = params.grammar.coefs
+    mid = coefs[len(coefs) // 2]
+    cell = next(
+        c
+        for c in cells(params)
+        if c.task == "grammar" and c.kind == "fixed" and c.arm == params.analysis.reference_arm and c.coef == mid
+    )
+    return params.grammar.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
 
 
 def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):
@@ -90,7 +101,8 @@ def main() -> None:
     result = bench(
         params, task, grammar, sft_model, reward_model, args.iterations, args.repeats, args.group_size, device
     )
-    Path("benchmarks/algorithms.json").write_text(json.dumps(result, indent=2) + "\n")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -2,19 +2,23 @@
 
     python benchmarks/bench_backends.py [--repeats 30]
 
-Sizes are params.yaml's (task vocabulary, prompt and response length, model d_model / n_layers / n_heads, PPO batch
-and minibatch). Backends, all with untied LM heads and an MLP of width 4 * d_model:
+Sizes are params.yaml's grammar task's (vocabulary, prompt and response length, model d_model / n_layers / n_heads,
+PPO batch and minibatch). Backends, all with untied LM heads and an MLP of width 4 * d_model:
     tiny      rlhf.model.TinyLM (pre-LN, learned positions, GELU MLP)
     hf-gpt2   transformers GPT-2 of the same shape (TinyLM's architecture, the same number of weights)
     hf-llama  transformers Llama (RMSNorm, RoPE, SwiGLU: three MLP matrices, so about 30% more weights)
 Sampling: ``generate`` of a rollout batch (prompts + max_new_tokens, KV cache). Training: one PPO minibatch update
 of policy and value model, forward + backward + Adam, as ``bench_ppo.py`` measures it. Each repeat times every
 backend in turn (interleaved, so a busy machine slows all alike); medians over repeats; the cost ratio is
-hf time / tiny time within this run. Writes benchmarks/backends.json.
+hf time / tiny time within this run. CPU math pinned as in a pipeline stage (pipelines/cpu.py). Results: stdout
+and benchmarks/out/backends.json (git-ignored).
 """
 
 from __future__ import annotations
 
+import pipelines  # noqa: F401  (first: pins the CPU math paths before torch loads, as every stage does)
+
+# isort: split
 import argparse
 import copy
 import json
@@ -30,10 +34,12 @@ from rlhf.model import ScalarModel, TinyLM, generate, logprobs_from_logits, resp
 from rlhf.ppo import response_values
 from rlhf.task import BOS, EOS
 
+OUT = Path(__file__).resolve().parent / "out" / "backends.json"
+
 
 def sizes(params) -> dict:
-    """The benchmark's shapes, from params.yaml."""
-    t, m, p = params.task, params.model, params.ppo
+    """The benchmark's shapes, from params.yaml's grammar task."""
+    t, m, p = params.grammar.task, params.grammar.model, params.grammar.ppo
     return dict(
         vocab=t.n_words + 2,
         prompt_len=t.prompt_len,
@@ -121,7 +127,8 @@ def main() -> None:
             row["sampling_cost_vs_tiny"] = m["sample"] / med["tiny"]["sample"]
             row["training_cost_vs_tiny"] = m["train"] / med["tiny"]["train"]
         result["backends"][b] = row
-    Path("benchmarks/backends.json").write_text(json.dumps(result, indent=2) + "\n")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -10,13 +10,17 @@ weights: speed does not depend on them), deterministic torch as in a pipeline st
 ``--workers``, N worker processes (one per cell, all on the same device, as N workers per GPU would be) build their
 models, wait at a barrier, then each runs one cell; cells/hour = N * 3600 / (last finish - first start). The N = 1
 worker also reports sampling and training tokens/s (``bench_backends.Bench``, median of 10) and peak memory
-(``torch.cuda.max_memory_allocated``; max RSS on CPU). Writes benchmarks/gpu.json.
+(``torch.cuda.max_memory_allocated``; max RSS on CPU). Results: stdout and benchmarks/out/gpu.json (git-ignored).
+Workload: params.yaml's grammar task, instance 0.
 
 Written and run on CPU only (``--device cpu``); not yet run on CUDA.
 """
 
 from __future__ import annotations
 
+import pipelines  # noqa: F401  (first: pins the CPU math paths before torch loads, as every stage does)
+
+# isort: split
 import argparse
 import copy
 import json
@@ -38,6 +42,8 @@ from pipelines.data import build as build_task
 from rlhf import hf
 from rlhf.model import ScalarModel
 from rlhf.ppo import train_ppo
+
+OUT = Path(__file__).resolve().parent / "out" / "gpu.json"
 
 
 def sync(device: torch.device) -> None:
@@ -79,11 +85,15 @@ def worker(args) -> None:
     device = torch.device(args.device)
     params = load_params()
     s = sizes(params)
-    task = build_task(params.task)
+    task = build_task("grammar", params.grammar.task, 0)
     grammar = load_task(task)
-    mid = params.grid.coefs[len(params.grid.coefs) // 2]
-    cell = next(c for c in cells(params) if c.arm == params.analysis.reference_arm and c.coef == mid)
-    cfg = params.ppo_config(cell.kl, cell.seed)
+    coefs = params.grammar.coefs
+    mid = coefs[len(coefs) // 2]
+    ref_arm = params.analysis.reference_arm
+    cell = next(
+        c for c in cells(params) if c.task == "grammar" and c.kind == "fixed" and c.arm == ref_arm and c.coef == mid
+    )
+    cfg = params.grammar.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
     if args.iterations is not None:
         cfg = cfg.model_copy(update={"iterations": args.iterations})
     bf16 = args.bf16 and args.backend != "tiny"
@@ -164,7 +174,8 @@ def main() -> None:
             }
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
-    Path("benchmarks/gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

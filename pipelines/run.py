@@ -1,8 +1,18 @@
 """Run everything with every core: `dvc repro`, with the stale grid cells run concurrently.
 
-    python -m pipelines.run                      # local process pool, one worker per core
-    python -m pipelines.run --workers 1          # one cell at a time
+    python -m pipelines.run                      # local process pool: one worker per core (per GPU with CUDA)
+    python -m pipelines.run --workers 1          # one cell at a time (CPU)
+    python -m pipelines.run --gpus 0,1 --workers-per-gpu 2   # 4 workers, 2 on each of GPUs 0 and 1
     python -m pipelines.run --ray-address auto   # cells as Ray tasks (pip install -e '.[ray]'), shared filesystem
+
+Placement. Without CUDA (torch sees no device; `CUDA_VISIBLE_DEVICES=` hides them) workers are CPU processes, one
+per core or --workers. With CUDA each worker owns one GPU for its life: its CUDA_VISIBLE_DEVICES is set to that
+GPU's entry before CUDA starts in it, so its cells run on `cuda` (= that GPU). Default: one worker per visible
+GPU; --gpus picks GPUs (entries of the runner's CUDA_VISIBLE_DEVICES if set, else device indices);
+--workers-per-gpu N puts N workers (N cells at once) on each; --workers N instead spreads N workers evenly. On
+Ray every cell asks for RLHF_THREADS CPUs and, when the cluster has GPUs, 1/N of a GPU (N = --workers-per-gpu,
+default 1); Ray sets CUDA_VISIBLE_DEVICES. One cell is one DVC stage either way. Flags that contradict the
+machine or each other are refused in one line before anything runs.
 
 Steps: 1. validate params.yaml and check that the `python` of dvc.yaml's commands, resolved as DVC will resolve it,
 is this interpreter (nothing runs if either is wrong); 2. take the repository's runner lock (one runner at a time),
@@ -246,13 +256,16 @@ def _exit_on_term(signum, frame) -> None:
     os._exit(EXIT[signal.SIGTERM])
 
 
-def _init_worker(parent: int) -> None:
+def _init_worker(parent: int, gpus=None) -> None:
     """Pool worker setup. Ctrl-C is the runner's to handle (a terminal sends it to every process of the foreground
     group), so workers ignore it. SIGTERM ends an idle worker at once; during a cell, tracking.stage_run turns it
     into KeyboardInterrupt first, which marks the cell's MLflow run FAILED. And the kernel kills the worker when the
     runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG; SIGKILL because an idle worker's main thread, blocked
     in the task queue's semaphore, may never run a Python handler): the next runner start marks its MLflow run
-    FAILED and removes its temporary files."""
+    FAILED and removes its temporary files.
+
+    ``gpus``: on GPUs, a queue holding one CUDA_VISIBLE_DEVICES entry per worker slot (LocalPool); the worker takes
+    one, so each GPU gets exactly the workers placed on it (a pool never replaces a worker: a dead one breaks it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by LocalPool.submit until now
     signal.signal(signal.SIGTERM, _exit_on_term)
@@ -263,6 +276,8 @@ def _init_worker(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the runner died before prctl took effect
         os._exit(EXIT[signal.SIGTERM])
+    if gpus is not None:  # this worker's GPU for its whole life, before anything can start CUDA in it
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
 
 
 def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
@@ -281,13 +296,18 @@ def ppo_cell(params, cell: Cell) -> dict:
 
 
 class LocalPool:
-    """Cells in a process pool (spawned workers, one per core by default)."""
+    """Cells in a process pool (spawned workers, one per core by default; on GPUs one per entry of ``slots``)."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, slots: list[str] | None = None):
+        """``slots``: the CUDA_VISIBLE_DEVICES of each worker (``workers`` entries), or None for CPU workers."""
         resource_tracker.ensure_running()  # before submit blocks Ctrl-C: starting it unblocks SIGINT (CPython 3.11)
-        self.pool = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(os.getpid(),)
-        )
+        ctx = multiprocessing.get_context("spawn")
+        gpus = None
+        if slots is not None:
+            gpus = ctx.SimpleQueue()  # put() writes to the pipe at once: every slot is there before a worker starts
+            for gpu in slots:
+                gpus.put(gpu)
+        self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), gpus))
 
     def submit(self, *args):
         """Queues a cell; a worker spawned here starts with Ctrl-C blocked (the signal mask survives exec), so a
@@ -324,16 +344,30 @@ class LocalPool:
                 p.join()
 
 
-class RayPool:
-    """Cells as Ray tasks (one CPU each) on a cluster that shares the repository's filesystem."""
+def ray_resources(cluster_gpus: float, workers_per_gpu: int | None, threads: int) -> dict:
+    """What one cell asks Ray for: ``threads`` CPUs (its torch threads) and, on a cluster with GPUs, 1/N of a GPU
+    (N cells per GPU at once, N = ``workers_per_gpu``, default 1). Ray then sets the task's CUDA_VISIBLE_DEVICES."""
+    if workers_per_gpu is not None and not cluster_gpus:
+        raise RunnerError(f"--workers-per-gpu {workers_per_gpu}: the Ray cluster has no GPUs", 2)
+    return {"num_cpus": threads, "num_gpus": 1 / (workers_per_gpu or 1) if cluster_gpus else 0}
 
-    def __init__(self, address: str):
+
+class RayPool:
+    """Cells as Ray tasks (``ray_resources`` each) on a cluster that shares the repository's filesystem."""
+
+    def __init__(self, address: str, workers_per_gpu: int | None = None):
         import ray
 
         self.ray = ray
         env = {k: os.environ[k] for k in ("RLHF_THREADS", "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}
         ray.init(address=address, runtime_env={"env_vars": env})
-        self.remote = ray.remote(num_cpus=1)(_cell_in_worker)
+        try:
+            res = ray_resources(ray.cluster_resources().get("GPU", 0), workers_per_gpu, int(env["RLHF_THREADS"]))
+        except RunnerError:
+            ray.shutdown()
+            raise
+        print(f"Ray: each cell asks for {res['num_cpus']} CPU and {res['num_gpus']:g} GPU", flush=True)
+        self.remote = ray.remote(**res)(_cell_in_worker)
 
     def submit(self, *args):
         return self.remote.remote(*args)
@@ -428,6 +462,62 @@ def prepare(experiment: str) -> None:
         print(f"marked {len(stale)} MLflow runs left RUNNING by a killed run FAILED: {', '.join(stale)}", flush=True)
 
 
+def visible_gpus() -> list[str]:
+    """The CUDA devices this runner may place cells on, as CUDA_VISIBLE_DEVICES entries: the runner's own
+    CUDA_VISIBLE_DEVICES if set (e.g. by a job scheduler), else the indices 0..n-1; [] without CUDA.
+    ``torch.cuda.device_count`` counts through NVML where it can and starts no CUDA context here."""
+    import torch
+
+    n = torch.cuda.device_count()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [s.strip() for s in env.split(",")] if env is not None else [str(i) for i in range(n)]
+    return ids[:n]
+
+
+def placement(args: argparse.Namespace, visible: list[str]) -> tuple[int, list[str] | None]:
+    """(number of local workers, CUDA_VISIBLE_DEVICES of each worker or None for CPU workers) from the flags and
+    the ``visible`` GPUs; RunnerError (one line, exit 2) for flags that make no sense here.
+
+    On GPUs (``--gpus``, default every visible one) there are ``--workers`` workers if given, else
+    ``--workers-per-gpu`` (default 1) per GPU; worker i gets GPU i mod the number of GPUs, so the GPUs are filled
+    evenly, and a pool that starts fewer workers than slots (fewer cells than workers) still spreads them."""
+    if args.workers is not None and args.workers < 1:
+        raise RunnerError(f"--workers must be 1 or more (got {args.workers})", 2)
+    if args.workers_per_gpu is not None and args.workers_per_gpu < 1:
+        raise RunnerError(f"--workers-per-gpu must be 1 or more (got {args.workers_per_gpu})", 2)
+    if args.ray_address:
+        if args.gpus is not None or args.workers is not None:
+            flag = "--gpus" if args.gpus is not None else "--workers"
+            raise RunnerError(f"{flag} places local workers; on Ray, Ray places the cells (see --workers-per-gpu)", 2)
+        return 0, None
+    if not visible:
+        flag = "--gpus" if args.gpus is not None else "--workers-per-gpu" if args.workers_per_gpu is not None else None
+        if flag:
+            raise RunnerError(
+                f"{flag}: no CUDA device is visible to this runner (torch sees none); cells run on CPU workers "
+                "(--workers)",
+                2,
+            )
+        return args.workers or os.cpu_count() or 1, None
+    if args.workers is not None and args.workers_per_gpu is not None:
+        raise RunnerError("give --workers (in all) or --workers-per-gpu, not both", 2)
+    gpus = visible if args.gpus is None else [g.strip() for g in args.gpus.split(",")]
+    bad = [g for g in gpus if g not in visible]
+    if bad or len(set(gpus)) != len(gpus):
+        why = f"{bad[0]!r} is not a visible GPU" if bad else "a GPU is named twice"
+        raise RunnerError(f"--gpus {args.gpus}: {why}; visible: {','.join(visible)} (CUDA_VISIBLE_DEVICES entries)", 2)
+    workers = args.workers or len(gpus) * (args.workers_per_gpu or 1)
+    return workers, [gpus[i % len(gpus)] for i in range(workers)]
+
+
+def _where(workers: int, slots: list[str] | None, ray_address: str | None) -> str:
+    if ray_address:
+        return f"Ray at {ray_address}"
+    if not slots:
+        return f"{workers} local workers"
+    return f"{workers} local workers: " + ", ".join(f"{slots.count(g)} on GPU {g}" for g in dict.fromkeys(slots))
+
+
 def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
     start = time.perf_counter()
     if not Path(".dvc").is_dir():
@@ -436,6 +526,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
         params = load_params()
     except ParamsError as e:
         raise RunnerError(str(e), 2) from None
+    workers, slots = placement(args, [] if args.ray_address else visible_gpus())
     env = stage_env()
     check_interpreter(env)
     with runner_lock():
@@ -444,12 +535,12 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
         dvc(["repro", *upstream_stages(params)], env, sig)
         grid = cells(params)
         todo = stale_cells(grid, env, sig)
-        where = f"Ray at {args.ray_address}" if args.ray_address else f"{args.workers} local workers"
-        print(f"{len(todo)} of {len(grid)} grid cells to run on {where}", flush=True)
+        print(f"{len(todo)} of {len(grid)} grid cells to run on {_where(workers, slots, args.ray_address)}", flush=True)
         if todo:
             os.environ.setdefault("RLHF_THREADS", "1")
             os.environ.setdefault("TQDM_DISABLE", "1")
-            backend = RayPool(args.ray_address) if args.ray_address else LocalPool(args.workers)
+            ray = args.ray_address
+            backend = RayPool(ray, args.workers_per_gpu) if ray else LocalPool(workers, slots)
             recorder = Recorder(env, args.commit_every)
             failed = run_cells(todo, backend, recorder, sig, run_cell, params.mlflow.experiment)
             if failed:
@@ -463,7 +554,9 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
 def main(argv: list[str] | None = None, run_cell=ppo_cell) -> int:
     """The command line; ``run_cell(params, cell) -> summary`` runs one cell in a worker (tests swap it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local processes (default: cores)")
+    ap.add_argument("--workers", type=int, help="local processes (default: cores; with CUDA: one per GPU)")
+    ap.add_argument("--gpus", help="GPUs for local workers, e.g. 0,1 (default with CUDA: every visible GPU)")
+    ap.add_argument("--workers-per-gpu", type=int, help="workers (cells at once) per GPU; on Ray: 1/N GPU per cell")
     ap.add_argument("--ray-address", help="Ray cluster address ('auto', 'ray://host:10001' or 'local')")
     ap.add_argument("--no-analysis", action="store_true", help="stop after the grid cells")
     ap.add_argument(

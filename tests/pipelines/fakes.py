@@ -6,7 +6,7 @@ rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an in
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`), FAKE_FAST (the first
-FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0).
+FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER (``placed``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ from pathlib import Path
 LOCK = Path("fake.lock")
 
 
-def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True) -> str:
-    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC)."""
+def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[str, ...] | None = ()) -> str:
+    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC), on a
+    machine whose visible CUDA devices are ``gpus`` (default: none, CPU workers; None: what torch sees)."""
     dvc = (
         "run.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
         "run.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
     )
+    visible = "" if gpus is None else f"run.visible_gpus = lambda: {list(gpus)!r}; "
     return (
         "import sys; from pipelines import run; from tests.pipelines import fakes; "
-        f"{dvc if fake_dvc else ''}sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}))"
+        f"{dvc if fake_dvc else ''}{visible}sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}))"
     )
 
 
@@ -45,6 +47,32 @@ def sleepy(params, cell) -> dict:
     tmp.mkdir(parents=True)
     (tmp / "summary.json").write_text(json.dumps({"stage": cell.stage, "final_gold": float(cell.seed)}))
     os.replace(tmp, cell.out_dir)  # a fresh directory each time in these tests
+    return {"final_gold": float(cell.seed), "wall_s": 0.0}
+
+
+def placed(params, cell) -> dict:
+    """A cell that records the GPU its worker was given (CUDA_VISIBLE_DEVICES; "unset" without) and the most cells
+    it saw running at once, on its GPU (``peak``) and in all (``together``): each running cell drops a file, and a
+    cell stays until FAKE_TOGETHER cells are there together, no other cell can come, or 3 s have passed. Writes
+    FAKE_DIR/cell-<stage>.json."""
+    from ablations.grid import cells
+
+    gpu, here = os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), Path(os.environ["FAKE_DIR"])
+    me = here / f"on-{gpu}-{os.getpid()}"
+    me.touch()
+    peak = together = 0
+    n_cells, deadline = len(cells(params)), time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        running = len(list(here.glob("on-*")))
+        peak = max(peak, len(list(here.glob(f"on-{gpu}-*"))))
+        together = max(together, running)
+        if together >= int(os.environ["FAKE_TOGETHER"]) or running + len(list(here.glob("cell-*"))) == n_cells:
+            break
+        time.sleep(0.02)
+    time.sleep(0.1)  # still here while the others look
+    me.unlink()
+    record = {"stage": cell.stage, "gpu": gpu, "pid": os.getpid(), "peak": peak, "together": together}
+    (here / f"cell-{cell.stage}.json").write_text(json.dumps(record))
     return {"final_gold": float(cell.seed), "wall_s": 0.0}
 
 

@@ -4,6 +4,8 @@ does the same with real DVC and real cells (slow)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import subprocess
@@ -300,3 +302,124 @@ def test_a_commit_killed_by_a_signal_is_retried_once_and_then_reported(workdir, 
     recorder.add(GRID[2])
     with pytest.raises(run.RunnerError, match=r"^recording 1 finished cells in dvc.lock failed: killed by SIGKILL$"):
         recorder.finish()
+
+
+# ---------------------------------------------------------------- placement of cells on GPUs
+
+
+def run_placed(workdir: Path, gpus: list[str], flags: list[str], together: int) -> tuple[str, dict[str, dict]]:
+    """The runner with fakes.placed cells on a machine whose visible GPUs are ``gpus``; (stdout, record per cell)."""
+    environ = {k: v for k, v in env(workdir, FAKE_TOGETHER=str(together)).items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            runner_script("placed", gpus=tuple(gpus)),
+            *flags,
+            "--commit-every",
+            "0",
+            "--no-analysis",
+        ],
+        cwd=workdir,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    records = [json.loads(p.read_text()) for p in (workdir / "fake").glob("cell-*.json")]
+    return out.stdout, {r["stage"]: r for r in records}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "flags", "workers_on", "where"),
+    [
+        ([], ["--workers", "2"], {"unset": 2}, "2 local workers"),  # CPU: today's behaviour, no CUDA_VISIBLE_DEVICES
+        (["0", "1"], [], {"0": 1, "1": 1}, "2 local workers: 1 on GPU 0, 1 on GPU 1"),  # default: one per GPU
+        (
+            ["1", "3", "5"],
+            ["--gpus", "3,5", "--workers-per-gpu", "2"],
+            {"3": 2, "5": 2},
+            "4 local workers: 2 on GPU 3, 2 on GPU 5",
+        ),
+    ],
+)
+def test_each_worker_keeps_its_gpu_and_n_workers_per_gpu_run_n_cells_on_it_at_once(
+    workdir, gpus, flags, workers_on, where
+):
+    out, records = run_placed(workdir, gpus, flags, together=sum(workers_on.values()))
+    assert f"{len(GRID)} of {len(GRID)} grid cells to run on {where}\n" in out, out
+    assert set(records) == {c.stage for c in GRID}
+    gpu_of = {}
+    for r in records.values():
+        assert gpu_of.setdefault(r["pid"], r["gpu"]) == r["gpu"], "a worker changed GPU"
+    pids_on = {g: {p for p, x in gpu_of.items() if x == g} for g in set(gpu_of.values())}
+    assert {g: len(p) for g, p in pids_on.items()} == workers_on
+    for g, n in workers_on.items():  # n cells on each GPU at once, never more; every worker busy at once
+        assert max(r["peak"] for r in records.values() if r["gpu"] == g) == n
+    assert max(r["together"] for r in records.values()) == sum(workers_on.values())
+
+
+@pytest.mark.parametrize(
+    ("gpus", "argv", "message"),
+    [
+        ([], ["--gpus", "0"], "--gpus: no CUDA device is visible to this runner (torch sees none)"),
+        ([], ["--workers-per-gpu", "2"], "--workers-per-gpu: no CUDA device is visible to this runner"),
+        (["0", "1"], ["--gpus", "0,2"], "--gpus 0,2: '2' is not a visible GPU; visible: 0,1"),
+        (["0", "1"], ["--gpus", "1,1"], "--gpus 1,1: a GPU is named twice; visible: 0,1"),
+        (["0", "1"], ["--gpus", ""], "--gpus : '' is not a visible GPU"),
+        (["0"], ["--workers-per-gpu", "0"], "--workers-per-gpu must be 1 or more (got 0)"),
+        ([], ["--workers", "0"], "--workers must be 1 or more (got 0)"),
+        (["0"], ["--workers", "2", "--workers-per-gpu", "2"], "give --workers (in all) or --workers-per-gpu, not both"),
+        ([], ["--ray-address", "auto", "--gpus", "0"], "--gpus places local workers; on Ray, Ray places the cells"),
+        ([], ["--ray-address", "auto", "--workers", "2"], "--workers places local workers; on Ray"),
+    ],
+)
+def test_placement_flags_that_make_no_sense_are_refused_in_one_line_before_anything_runs(
+    workdir, monkeypatch, capsys, gpus, argv, message
+):
+    monkeypatch.setattr(run, "visible_gpus", lambda: list(gpus))
+    called = []
+    rc = run.main(argv, run_cell=lambda p, c: called.append(c))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not called and not (workdir / ".dvc/tmp").exists()  # refused before the runner lock and DVC
+
+
+def placement_of(visible: list[str], *argv: str) -> tuple[int, list[str] | None]:
+    ap_args = dict(workers=None, gpus=None, workers_per_gpu=None, ray_address=None)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    for flag, value in flags.items():
+        key = flag.removeprefix("--").replace("-", "_")
+        ap_args[key] = value if key in ("gpus", "ray_address") else int(value)
+    return run.placement(argparse.Namespace(**ap_args), visible)
+
+
+def test_placement_spreads_workers_evenly_over_the_gpus():
+    assert placement_of([]) == (os.cpu_count() or 1, None)
+    assert placement_of([], "--workers", "3") == (3, None)
+    assert placement_of(["0", "1"]) == (2, ["0", "1"])
+    assert placement_of(["0", "1"], "--workers-per-gpu", "2") == (4, ["0", "1", "0", "1"])
+    assert placement_of(["0", "1"], "--workers", "3") == (3, ["0", "1", "0"])
+    assert placement_of(["GPU-a", "GPU-b"], "--gpus", "GPU-b") == (1, ["GPU-b"])
+    assert placement_of(["0"], "--ray-address", "auto", "--workers-per-gpu", "4") == (0, None)
+
+
+def test_visible_gpus_are_the_runners_cuda_visible_devices_entries(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert run.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa, GPU-bb,7")  # CUDA stops at what it cannot use: 2 here
+    assert run.visible_gpus() == ["GPU-aa", "GPU-bb"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert run.visible_gpus() == []
+
+
+def test_ray_cells_ask_for_their_threads_and_a_share_of_a_gpu():
+    assert run.ray_resources(0, None, 1) == {"num_cpus": 1, "num_gpus": 0}
+    assert run.ray_resources(8, None, 2) == {"num_cpus": 2, "num_gpus": 1.0}
+    assert run.ray_resources(8, 4, 1) == {"num_cpus": 1, "num_gpus": 0.25}
+    with pytest.raises(run.RunnerError, match=r"^--workers-per-gpu 2: the Ray cluster has no GPUs$"):
+        run.ray_resources(0, 2, 1)
