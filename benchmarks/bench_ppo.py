@@ -44,9 +44,10 @@ def spec(iterations: int | None) -> dict:
     from ablations.grid import cells
 
     p = load_params()
-    mid = p.grid.coefs[len(p.grid.coefs) // 2]
+    mid = p.grammar.coefs[len(p.grammar.coefs) // 2]
     ref = p.analysis.reference_arm
-    cell = next(c for c in cells(p) if c.kind == "fixed" and c.arm == ref and c.coef == mid)
+    is_ref = lambda c: c.task == "grammar" and c.kind == "fixed" and c.arm == ref and c.coef == mid
+    cell = next(c for c in cells(p) if is_ref(c))
     t = p.grammar.task
     grammar = dict(seed=cell.instance, **t.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"}))
     return {

@@ -30,13 +30,21 @@ class Block(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, first: int = 0):
+        """x (b, s, d) -> (b, s - first, d): every position is a key and value, positions ``first``.. are the
+        queries whose outputs are returned (0: all; with a cache, the new positions are the queries)."""
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         if cache is not None:  # incremental decoding: attend to every cached position, no mask needed
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None)  # (b, h, s, d/h)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+            att = F.scaled_dot_product_attention(q, k, v)  # (b, h, s, d/h)
+        elif first:  # query i (position first + i) sees keys 0 .. first + i
+            mask = torch.ones(s - first, s, dtype=torch.bool, device=x.device).tril(first)
+            q, x = q[:, :, first:], x[:, first:]
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, h, s - first, d/h)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, -1, d))
         return x + self.mlp(self.ln2(x)), (k, v)
 
 
@@ -51,19 +59,24 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def hidden(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0):
-        """tokens (b, s) at positions start..start+s-1 -> hidden (b, s, d) and the updated cache."""
+    def hidden(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0, first: int = 0):
+        """tokens (b, s) at positions start..start+s-1 -> hidden (b, s - first, d) of the tokens from index
+        ``first`` on, and the updated cache (of every position). ``first`` > 0 (no cache) computes what those
+        outputs need and no more: the last block takes queries from ``first`` only (the causal mask means the
+        other positions matter only as keys and values)."""
         pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(pos)
         new_cache = []
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            x, kv = block(x, None if cache is None else cache[i])
+            x, kv = block(x, None if cache is None else cache[i], first if i == last else 0)
             new_cache.append(kv)
         return self.ln_f(x), new_cache
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) -> logits (b, s, V); logits[:, i] predict tokens[:, i + 1]."""
-        return self.head(self.hidden(tokens)[0])
+    def forward(self, tokens: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """tokens (b, s) -> logits (b, s - first, V) at positions first..s-1; logits[:, i] predict
+        tokens[:, first + i + 1]."""
+        return self.head(self.hidden(tokens, first=first)[0])
 
 
 class ScalarModel(nn.Module):
@@ -81,9 +94,18 @@ class ScalarModel(nn.Module):
         self.register_buffer("gain", torch.ones(()))
         self.register_buffer("bias", torch.zeros(()))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) -> per-position scalars (b, s)."""
-        return self.score(self.backbone.hidden(tokens)[0]).squeeze(-1) * self.gain + self.bias
+    def forward(self, tokens: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """tokens (b, s) -> scalars (b, s - first) at positions first..s-1 (``TinyLM.hidden``'s ``first``)."""
+        h = hidden_from(self.backbone, tokens, first)
+        return self.score(h).squeeze(-1) * self.gain + self.bias
+
+
+def hidden_from(backbone: nn.Module, tokens: torch.Tensor, first: int, **kw) -> torch.Tensor:
+    """The backbone's hidden states (b, s - first, d) of tokens (b, s) at positions first..s-1: a ``TinyLM``
+    computes only what they need, any other backbone (``rlhf.hf.HFLM``) all positions, then sliced."""
+    if isinstance(backbone, TinyLM) and not kw:
+        return backbone.hidden(tokens, first=first)[0]
+    return backbone.hidden(tokens, **kw)[0][:, first:]
 
 
 @contextmanager
@@ -115,18 +137,20 @@ def response_logits(
 ):
     """Teacher-forced logits of the response tokens, scaled by the sampling temperature.
 
-    prompts (b, p), responses (b, t) -> (b, t, V). Dividing by the temperature in training as in sampling is
-    detail 'scale the logits by sampling temperature' of Huang et al. 2024 (arXiv 2403.17031).
+    prompts (b, p), responses (b, t) -> (b, t, V): logits at positions p-1 .. p+t-2 of prompts + responses. The
+    last response token predicts nothing and is not fed; a ``TinyLM`` computes only these positions
+    (``TinyLM.hidden``'s ``first``). Dividing by the temperature in training as in sampling is detail 'scale the
+    logits by sampling temperature' of Huang et al. 2024 (arXiv 2403.17031).
     ``prompt_mask`` (b, p): 0 on left padding of the prompts; only models that take an ``attention_mask``
     (``rlhf.hf.HFLM``) accept it."""
-    tokens = torch.cat([prompts, responses], dim=1)
+    tokens = torch.cat([prompts, responses[:, :-1]], dim=1)  # (b, p + t - 1)
     p = prompts.shape[1]
-    kw = (
-        {}
-        if prompt_mask is None
-        else {"attention_mask": torch.cat([prompt_mask, prompt_mask.new_ones(responses.shape)], 1)}
-    )
-    return model(tokens, **kw)[:, p - 1 : -1] / temperature
+    if isinstance(model, TinyLM) and prompt_mask is None:
+        return model(tokens, first=p - 1) / temperature
+    kw = {}
+    if prompt_mask is not None:
+        kw["attention_mask"] = torch.cat([prompt_mask, prompt_mask.new_ones(tokens.shape[0], tokens.shape[1] - p)], 1)
+    return model(tokens, **kw)[:, p - 1 :] / temperature
 
 
 @torch.no_grad()

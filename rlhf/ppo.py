@@ -81,8 +81,9 @@ def check_finite(name: str, x: torch.Tensor, iteration: int) -> None:
 
 
 def response_values(value_model: ScalarModel, prompts, responses) -> torch.Tensor:
-    """V(state before each response token): (b, t), read at positions p-1 .. p+t-2 (TRL convention)."""
-    return value_model(torch.cat([prompts, responses], dim=1))[:, prompts.shape[1] - 1 : -1]
+    """V(state before each response token): (b, t), read at positions p-1 .. p+t-2 (TRL convention); the last
+    response token is not fed, and only these positions are computed (``ScalarModel``'s ``first``)."""
+    return value_model(torch.cat([prompts, responses[:, :-1]], dim=1), first=prompts.shape[1] - 1)
 
 
 def draw_prompts(train_prompts: torch.Tensor, n: int, group_size: int, g: torch.Generator) -> torch.Tensor:

@@ -106,3 +106,31 @@ def test_scalar_model_outputs_one_value_per_position():
         model.gain.fill_(2.0)
         model.bias.fill_(1.0)
     torch.testing.assert_close(model(random_prompts(3)), 2.0 * out + 1.0)
+
+
+@pytest.mark.parametrize("first", [0, 1, P - 1, P + T - 1])
+def test_forward_from_first_computes_the_full_forwards_later_positions(first):
+    """``first`` only skips work: the outputs at positions first.. are those of the full forward (the last
+    block takes fewer queries, so the float sums may round differently: equal to float tolerance)."""
+    model = random_lm()
+    tokens = torch.randint(0, V, (5, P + T), generator=torch.Generator().manual_seed(4))
+    value = ScalarModel(random_lm(seed=1))
+    with torch.no_grad():
+        full, part = model(tokens), model(tokens, first=first)
+        assert part.shape == (5, P + T - first, V)
+        torch.testing.assert_close(part, full[:, first:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(value(tokens, first=first), value(tokens)[:, first:], atol=1e-5, rtol=0)
+        if first == 0:
+            assert torch.equal(part, full)
+
+
+def test_response_values_read_the_state_before_each_response_token():
+    from rlhf.ppo import response_values
+
+    value = ScalarModel(random_lm(seed=2))
+    prompts, responses = random_prompts(3), torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = response_values(value, prompts, responses)
+        full = value(torch.cat([prompts, responses], dim=1))
+    assert got.shape == (3, T)
+    torch.testing.assert_close(got, full[:, P - 1 : P - 1 + T], atol=1e-5, rtol=0)
