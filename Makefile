@@ -17,7 +17,10 @@ install: $(STAMP)
 check-params: install        ## validate params.yaml without running anything
 	$(PY) -m ablations.config
 
-repro: install               ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; RUN_ARGS="--gpus 0,1"
+repro: install               ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; PROFILE=full, RUN_ARGS="--gpus 0,1"
+ifdef PROFILE
+	$(PY) -m pipelines.profile $(PROFILE)
+endif
 	$(PY) -m pipelines.run $(RUN_ARGS)
 
 dvc-repro: check-params      ## the same, one stage at a time, by plain DVC

@@ -1,0 +1,85 @@
+"""Apply a run profile to params.yaml: `python -m pipelines.profile NAME` (`make repro PROFILE=NAME` runs it first).
+
+A profile is ``profiles/NAME.yaml``, a partial params.yaml. Its values are merged into params.yaml: a mapping
+merges key by key (a profile can add arms, or change one PPO value), anything else (a number, a list) replaces the
+value. The merged parameters are validated exactly as params.yaml is (one line naming the key and the allowed
+values, and nothing written, if one is wrong); then params.yaml is rewritten in place with its comments kept.
+`git diff params.yaml` shows what the profile changed; `git checkout params.yaml` returns to the default.
+
+A profile may not touch ``analysis``: the pre-registered protocol (margins, alpha, tolerances) is the same for every
+profile, and a changed protocol is an amendment made in params.yaml itself, where the report's protocol lock sees it.
+DVC sees an ordinary parameter change: the stages whose parameters changed rerun, the others stay cached.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+from ablations.config import PARAMS_FILE, ParamsError, load_params, read_yaml
+
+PROFILES = Path("profiles")
+
+
+def merge(base, over, where: str = "") -> list[str]:
+    """Merges mapping ``over`` into ruamel mapping ``base`` in place; returns the dotted keys whose value changed."""
+    changed = []
+    for key, value in over.items():
+        path = f"{where}{key}"
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            changed += merge(base[key], value, f"{path}.")
+        elif base.get(key) != value:
+            base[key] = value
+            changed.append(path)
+    return changed
+
+
+def apply(name: str, params: Path = PARAMS_FILE, profiles: Path = PROFILES) -> list[str]:
+    """Merges profiles/NAME.yaml into ``params`` (validated first; nothing written on error). Returns changed keys."""
+    path = profiles / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in profiles.glob("*.yaml"))
+        raise ParamsError(f"no profile {name!r} ({path} does not exist); profiles: {', '.join(known) or 'none'}")
+    over = read_yaml(path)
+    if not isinstance(over, dict):
+        raise ParamsError(f"{path}: must be a mapping of params.yaml sections")
+    if "analysis" in over:
+        raise ParamsError(f"{path}: a profile may not change 'analysis' (the protocol is the same for every profile)")
+    rt = YAML()  # round trip: keeps params.yaml's comments and layout
+    rt.width = 4096
+    doc = rt.load(params.read_text())
+    changed = merge(doc, over)
+    buf = io.StringIO()
+    rt.dump(doc, buf)
+    tmp = params.with_name(f".{params.name}.tmp")
+    tmp.write_text(buf.getvalue())
+    try:
+        load_params(tmp)  # the same checks and one-line messages as params.yaml itself
+    except ParamsError as e:
+        tmp.unlink()
+        raise ParamsError(str(e).replace(str(tmp), f"{params} with profile {name}")) from None
+    os.replace(tmp, params)  # whole or not at all
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pipelines.profile NAME  (a file profiles/NAME.yaml)", file=sys.stderr)
+        return 2
+    try:
+        changed = apply(argv[0])
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    what = ", ".join(changed) if changed else "nothing (already applied)"
+    print(f"profile {argv[0]} applied to {PARAMS_FILE}: {what}; `git checkout {PARAMS_FILE}` returns to the default")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

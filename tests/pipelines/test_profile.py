@@ -1,0 +1,69 @@
+"""Run profiles (pipelines/profile.py): merged into params.yaml, validated first, comments kept."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ablations.config import ParamsError, load_params
+from pipelines.profile import apply, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def repo(tmp_path):
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "profiles").mkdir()
+    return tmp_path
+
+
+def write(repo: Path, name: str, text: str) -> None:
+    (repo / "profiles" / f"{name}.yaml").write_text(text)
+
+
+def test_merge_adds_arms_replaces_lists_and_keeps_comments(repo):
+    arm = "{target: reference, placement: loss, estimator: k2}"
+    write(repo, "p", f"grid:\n  seeds: [0, 1]\n  arms:\n    extra_k2: {arm}\n")
+    before = load_params(repo / "params.yaml")
+    changed = apply("p", repo / "params.yaml", repo / "profiles")
+    after = load_params(repo / "params.yaml")
+    assert changed == ["grid.seeds", "grid.arms.extra_k2"]
+    assert after.grid.seeds == [0, 1]
+    assert set(after.grid.arms) == set(before.grid.arms) | {"extra_k2"}  # merged, not replaced
+    assert after.grammar == before.grammar
+    assert "# params.yaml: the one file to edit" in (repo / "params.yaml").read_text()
+    assert apply("p", repo / "params.yaml", repo / "profiles") == []  # idempotent
+
+
+def test_bad_value_names_the_key_and_writes_nothing(repo):
+    write(repo, "bad", "grammar:\n  ppo:\n    algorithm: trpo\n")
+    text = (repo / "params.yaml").read_text()
+    with pytest.raises(ParamsError, match=r"grammar\.ppo\.algorithm.*'ppo'") as e:
+        apply("bad", repo / "params.yaml", repo / "profiles")
+    assert "with profile bad" in str(e.value)
+    assert (repo / "params.yaml").read_text() == text
+    assert sorted(p.name for p in repo.iterdir()) == ["params.yaml", "profiles"]  # no temporary file left
+
+
+def test_profile_may_not_change_the_protocol(repo):
+    write(repo, "amend", "analysis:\n  alpha: 0.1\n")
+    with pytest.raises(ParamsError, match="may not change 'analysis'"):
+        apply("amend", repo / "params.yaml", repo / "profiles")
+
+
+def test_unknown_profile_lists_the_known_ones(repo, capsys, monkeypatch):
+    write(repo, "full", "grid:\n  seeds: [0]\n")
+    with pytest.raises(ParamsError, match=r"no profile 'ful'.*profiles: full"):
+        apply("ful", repo / "params.yaml", repo / "profiles")
+    monkeypatch.chdir(repo)
+    assert main(["ful"]) == 2
+    assert "no profile 'ful'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
+def test_shipped_profiles_apply_to_the_default_params(repo, profile):
+    shutil.copy(ROOT / "profiles" / f"{profile}.yaml", repo / "profiles")
+    assert apply(profile, repo / "params.yaml", repo / "profiles")  # changes something, validates
