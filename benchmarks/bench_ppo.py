@@ -86,7 +86,8 @@ def child(workload: dict, profile: bool) -> dict:
     torch.manual_seed(0)
     ref = TinyLM(grammar.vocab_size, grammar.prompt_len + grammar.max_new_tokens, **workload["model"]).eval()
     reward_model = ScalarModel(copy.deepcopy(ref)).eval()
-    cfg = PPOConfig(**{k: v for k, v in workload["ppo"].items() if k in PPOConfig.model_fields})
+    ppo, ignored = known_fields(PPOConfig, workload["ppo"])
+    cfg = PPOConfig(**ppo)
     marks = []
     tick = lambda: marks.append(time.process_time())
     prof = None
@@ -109,6 +110,7 @@ def child(workload: dict, profile: bool) -> dict:
         "mkl_cbwr": os.environ.get("MKL_CBWR", "unset"),
         "run_wall_s": time.perf_counter() - start_wall,
         "run_cpu_s": time.process_time() - start_cpu,
+        "ignored_fields": ignored,
     }
     evals = {it for it in range(1, cfg.iterations + 1) if it % cfg.eval_every == 0 or it == cfg.iterations}
     steps = [b - a for it, (a, b) in enumerate(itertools.pairwise(marks), start=2) if it not in evals]
@@ -117,6 +119,22 @@ def child(workload: dict, profile: bool) -> dict:
         prof.stop()
         out["profile"] = profile_summary(prof, iterations=2)
     return out
+
+
+def known_fields(model, values: dict, prefix: str = "") -> tuple[dict, dict]:
+    """``values`` restricted to the fields ``model`` (a pydantic class of the tree under test) knows, recursing
+    into nested models (the baseline's KLConfig predates some fields), and the dropped fields by dotted name."""
+    kept, dropped = {}, {}
+    for k, v in values.items():
+        field = model.model_fields.get(k)
+        if field is None:
+            dropped[prefix + k] = v
+        elif isinstance(v, dict) and inspect.isclass(field.annotation) and hasattr(field.annotation, "model_fields"):
+            kept[k], sub = known_fields(field.annotation, v, f"{prefix}{k}.")
+            dropped |= sub
+        else:
+            kept[k] = v
+    return kept, dropped
 
 
 def profile_summary(prof, iterations: int) -> dict:
@@ -204,6 +222,9 @@ def report(result: dict) -> str:
             f"  {name:16s} {v['iteration_cpu_ms']:7.1f} ms/iteration (runs: {each}); whole run {v['run_cpu_s']:.2f} s "
             f"CPU, {v['run_wall_s']:.1f} s wall; ATen {v['capability']}, MKL_CBWR {v['mkl_cbwr']}"
         )
+    for name, v in result["variants"].items():
+        if v["ignored_fields"]:
+            lines.append(f"  {name}: config fields its tree does not know, left out: {v['ignored_fields']}")
     lines += [f"  {k}: {v:.3f}x" for k, v in result["speedup_per_iteration"].items()]
     lines.append(f"  whole run, baseline unpinned / new pinned: {result['speedup_whole_run_cpu']:.3f}x")
     for name, prof in result["profiles"].items():
@@ -224,6 +245,7 @@ def summarise(runs: dict, workload: dict, baseline: str, repeats: int) -> dict:
             "run_wall_s": med((t, p), "run_wall_s"),
             "capability": runs[(t, p)][0]["capability"],
             "mkl_cbwr": runs[(t, p)][0]["mkl_cbwr"],
+            "ignored_fields": runs[(t, p)][0]["ignored_fields"],
             "iteration_cpu_ms_each": [round(r["iteration_cpu_ms"], 2) for r in runs[(t, p)]],
         }
         for t, p in runs

@@ -34,7 +34,10 @@ class Block(nn.Module):
         """x (b, s, d) -> (b, s - first, d): every position is a key and value, positions ``first``.. are the
         queries whose outputs are returned (0: all; with a cache, the new positions are the queries)."""
         b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        # split, not view + permute: the same (b, h, s, d/h) views of the same numbers, but the backward joins the
+        # three gradients with one cat instead of a stack plus a strided copy of the whole (b, s, 3d) gradient
+        heads = lambda t: t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2)
+        q, k, v = map(heads, self.qkv(self.ln1(x)).split(d, dim=-1))
         if cache is not None:  # incremental decoding: attend to every cached position, no mask needed
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
             att = F.scaled_dot_product_attention(q, k, v)  # (b, h, s, d/h)
