@@ -314,9 +314,23 @@ def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
         os._exit(EXIT[signal.SIGTERM])
 
 
+_READY: set[str] = set()
+
+
+def _mlflow_ready(experiment: str) -> None:
+    """Creates MLflow's store and the experiment (tracking._client) one worker at a time, once per worker: on a
+    fresh sqlite store, stages that start together would race in its table creation and in create_experiment."""
+    if experiment not in _READY:
+        with open(STATE / "mlflow.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            tracking._client(experiment)
+        _READY.add(experiment)
+
+
 def ppo_cell(params, cell: Cell) -> dict:
     from pipelines.ppo import run_cell
 
+    _mlflow_ready(params.mlflow.experiment)
     return run_cell(params, cell)
 
 
@@ -329,6 +343,7 @@ def upstream_stage(params, up: Upstream) -> dict:
 
     group, instance = up.stage.split("@")
     task, kind = group.rsplit("_", 1)
+    _mlflow_ready(params.mlflow.experiment)
     start = time.perf_counter()
     try:
         importlib.import_module(f"pipelines.{kind}").main([task, instance])
