@@ -27,7 +27,8 @@ dvc.lock while the others run (a batch at most every --commit-every seconds), ex
 5. `dvc repro` for the rest (the analysis).
 
 Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) stops the workers at once (their
-MLflow runs are marked FAILED), records the cells that finished, and exits with one line (status 130 or 143).
+MLflow runs are marked FAILED), records the cells (or upstream stages) that finished, and exits with one line
+(status 130 or 143).
 A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
 reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
 when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
