@@ -101,3 +101,13 @@ def upstream_stages(params: Params) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
     task) reward models."""
     return [f"{task}_rm" if hasattr(section, "rm") else f"{task}_sft" for task, section in params.tasks().items()]
+
+
+def upstream_chains(params: Params) -> list[list[str]]:
+    """The upstream stages of each task instance in the order they run (data, sft, and rm for a learned-reward
+    task), as DVC names them: every cell of the instance depends on its chain."""
+    chains = []
+    for task, section in params.tasks().items():
+        kinds = ["data", "sft", "rm"] if hasattr(section, "rm") else ["data", "sft"]
+        chains += [[stage_name(f"{task}_{k}", i) for k in kinds] for i in section.instances]
+    return chains

@@ -17,14 +17,18 @@ machine or each other are refused in one line before anything runs.
 Steps: 1. validate params.yaml and check that the `python` of dvc.yaml's commands, resolved as DVC will resolve it,
 is this interpreter (nothing runs if either is wrong); 2. take the repository's runner lock (one runner at a time),
 restore dvc.lock from its last good copy if a killed DVC left it broken, remove the temporary files of killed
-stages, mark MLflow runs left RUNNING by a killed run FAILED; 3. `dvc repro` of the stages the cells need;
-4. ask `dvc status` which grid cells are stale and run them in parallel, each with torch threads set to
-RLHF_THREADS (default 1), printing one line per finished cell, and record finished cells in dvc.lock while the
-others run (a batch at most every --commit-every seconds), exactly as `dvc repro` would have; 5. `dvc repro` for
-the rest (the analysis).
+stages, mark MLflow runs left RUNNING by a killed run FAILED; 3. ask `dvc status` which upstream stages (data ->
+sft -> rm, one chain per task instance) are stale and build the chains in parallel on the same workers: a chain
+whose first stale stage is k runs stages k..end in order (each by its dvc.yaml command's module function in the
+worker, as a cell), finished stages recorded in dvc.lock as in step 4, all of them before any cell starts; a
+failed stage stops the run; 4. ask `dvc status` which grid cells are stale and run them in parallel, each with
+torch threads set to RLHF_THREADS (default 1), printing one line per finished cell, and record finished cells in
+dvc.lock while the others run (a batch at most every --commit-every seconds), exactly as `dvc repro` would have;
+5. `dvc repro` for the rest (the analysis).
 
 Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) stops the workers at once (their
-MLflow runs are marked FAILED), records the cells that finished, and exits with one line (status 130 or 143).
+MLflow runs are marked FAILED), records the cells (or upstream stages) that finished, and exits with one line
+(status 130 or 143).
 A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
 reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
 when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
@@ -49,13 +53,14 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ablations.config import ParamsError, load_params
-from ablations.grid import Cell, cells, upstream_stages
+from ablations.grid import Cell, cells, upstream_chains
 from pipelines import lockfile, tracking
 from pipelines.leftovers import clean_temp
 
@@ -193,13 +198,33 @@ def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cel
     return [c for c in grid if c.stage in status]
 
 
-class Recorder:
-    """Records finished cells in dvc.lock while the others run: one commit process at a time, a new batch when
-    the last commit ended ``every_s`` ago. Each commit runs in its own process session, so a terminal's Ctrl-C
-    does not reach it, and ``finish`` waits for it: a commit always completes."""
+@dataclass(frozen=True)
+class Upstream:
+    """One stale upstream stage (``stage``, e.g. grammar_sft@0) and the stages after it in its chain."""
 
-    def __init__(self, env: dict[str, str], every_s: float):
-        self.env, self.every_s = env, every_s
+    stage: str
+    rest: tuple[str, ...] = ()
+
+    @property
+    def next(self) -> Upstream | None:
+        return Upstream(self.rest[0], self.rest[1:]) if self.rest else None
+
+
+def stale_chains(chains: list[list[str]], env: dict[str, str], sig: Signals) -> list[Upstream]:
+    """The first stale stage of each chain (per one `dvc status --json`), with the rest of its chain after it:
+    once a stage reruns, every stage after it must too (they depend on its outputs)."""
+    status = json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
+    firsts = [next((k for k, s in enumerate(c) if s in status), None) for c in chains]
+    return [Upstream(c[k], tuple(c[k + 1 :])) for c, k in zip(chains, firsts) if k is not None]
+
+
+class Recorder:
+    """Records finished cells (or upstream stages: ``what``) in dvc.lock while the others run: one commit process
+    at a time, a new batch when the last commit ended ``every_s`` ago. Each commit runs in its own process session,
+    so a terminal's Ctrl-C does not reach it, and ``finish`` waits for it: a commit always completes."""
+
+    def __init__(self, env: dict[str, str], every_s: float, what: str = "cells"):
+        self.env, self.every_s, self.what = env, every_s, what
         self.log = STATE / "commit.log"
         self.waiting: list[Cell] = []
         self.batch: list[Cell] = []
@@ -236,9 +261,10 @@ class Recorder:
             return self._start()
         if rc:
             why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else _last_line(self.log.read_text())
-            raise RunnerError(f"recording {len(self.batch)} finished cells in dvc.lock failed: {why}")
+            raise RunnerError(f"recording {len(self.batch)} finished {self.what} in dvc.lock failed: {why}")
         self.recorded += self.batch
-        print(f"dvc.lock: recorded {len(self.batch)} more finished cells ({len(self.recorded)} so far)", flush=True)
+        n, total = len(self.batch), len(self.recorded)
+        print(f"dvc.lock: recorded {n} more finished {self.what} ({total} so far)", flush=True)
 
     def finish(self) -> None:
         """Waits for the commit in progress, then records every cell still waiting."""
@@ -289,10 +315,42 @@ def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
         os._exit(EXIT[signal.SIGTERM])
 
 
+_READY: set[str] = set()
+
+
+def _mlflow_ready(experiment: str) -> None:
+    """Creates MLflow's store and the experiment (tracking._client) one worker at a time, once per worker: on a
+    fresh sqlite store, stages that start together would race in its table creation and in create_experiment."""
+    if experiment not in _READY:
+        with open(STATE / "mlflow.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            tracking._client(experiment)
+        _READY.add(experiment)
+
+
 def ppo_cell(params, cell: Cell) -> dict:
     from pipelines.ppo import run_cell
 
+    _mlflow_ready(params.mlflow.experiment)
     return run_cell(params, cell)
+
+
+def upstream_stage(params, up: Upstream) -> dict:
+    """Runs upstream stage ``up.stage`` in this worker exactly as its dvc.yaml command does: `python -m
+    pipelines.<kind> <task> <instance>` is ``pipelines.<kind>.main([task, instance])`` (tests/pipelines/test_run.py
+    checks dvc.yaml's commands). In the worker, not a subprocess, so that a stopped worker stops the stage with it
+    and tracking.stage_run marks its MLflow run FAILED, as for a cell. The stage writes its outputs atomically."""
+    import importlib
+
+    group, instance = up.stage.split("@")
+    task, kind = group.rsplit("_", 1)
+    _mlflow_ready(params.mlflow.experiment)
+    start = time.perf_counter()
+    try:
+        importlib.import_module(f"pipelines.{kind}").main([task, instance])
+    except SystemExit as e:  # a stage's one-line refusal
+        raise RuntimeError(str(e)) from None
+    return {"wall_s": time.perf_counter() - start}
 
 
 class LocalPool:
@@ -308,6 +366,7 @@ class LocalPool:
             for gpu in slots:
                 gpus.put(gpu)
         self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), gpus))
+        self.stopped = False
 
     def submit(self, *args):
         """Queues a cell; a worker spawned here starts with Ctrl-C blocked (the signal mask survives exec), so a
@@ -327,10 +386,12 @@ class LocalPool:
         return handle.result()
 
     def close(self) -> None:
-        self.pool.shutdown()
+        if not self.stopped:
+            self.pool.shutdown()
 
     def stop(self, pending) -> None:
         """Cancels the queued cells and stops the running ones: SIGTERM, then SIGKILL after GRACE_S."""
+        self.stopped = True
         procs = multiprocessing.active_children()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:
@@ -396,41 +457,42 @@ def _progress(i: int, n: int, cell: Cell, s: dict, elapsed: float) -> str:
         ("KL", "final_kl", 2),
     ]
     values = " ".join(f"{label} {s[k]:.{d}f}" for label, k, d in shown if isinstance(s.get(k), int | float))
-    return f"[{i}/{n}] {cell.stage}: {values} ({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
+    return f"[{i}/{n}] {cell.stage}: {values}{' ' if values else ''}({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
 
 
-def run_cells(todo: list[Cell], backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
-    """Runs ``todo`` on ``backend``, recording finished cells as they finish; returns the failed stages. On a
-    signal (or an error of the runner itself) stops the workers, marks the unfinished cells' MLflow runs FAILED
-    and records every finished cell before raising."""
-    root, start = str(Path.cwd()), time.perf_counter()
+def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
+    """Runs ``todo`` (cells, or Upstream stages: when one finishes, its ``next`` is queued) on ``backend``,
+    recording finished ones as they finish; returns the failed stages. On a signal (or an error of the runner
+    itself) stops the workers, marks the unfinished stages' MLflow runs FAILED and records every finished one
+    before raising."""
+    root, start, what = str(Path.cwd()), time.perf_counter(), recorder.what
     pending = {backend.submit(root, c, run_cell): c for c in todo}
+    n, done = len(todo) + sum(len(getattr(c, "rest", ())) for c in todo), 0
     failed: list[str] = []
     try:
         while pending and not sig.signum:
             for handle in backend.wait(set(pending), POLL_S):
-                cell = pending.pop(handle)
-                i = len(todo) - len(pending)
+                cell, done = pending.pop(handle), done + 1
                 try:
                     s = backend.result(handle)
                 except Exception as e:  # report and go on: the other cells are still worth having
                     failed.append(cell.stage)
-                    print(f"[{i}/{len(todo)}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
+                    print(f"[{done}/{n}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
                     continue
                 recorder.add(cell)
-                print(_progress(i, len(todo), cell, s, time.perf_counter() - start), flush=True)
+                print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
+                if getattr(cell, "next", None):
+                    pending[backend.submit(root, cell.next, run_cell)] = cell.next
             recorder.poll()
     finally:
         if pending:
-            print(f"stopping {len(pending)} unfinished cells; recording the finished ones ...", flush=True)
+            print(f"stopping {len(pending)} unfinished {what}; recording the finished ones ...", flush=True)
             backend.stop(list(pending))
-        else:
-            backend.close()
         recorder.finish()
         if pending:
             _fail_runs(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
     sig.check(
-        f"{len(recorder.recorded)} finished cells are recorded in dvc.lock, {len(pending)} were stopped "
+        f"{len(recorder.recorded)} finished {what} are recorded in dvc.lock, {len(pending)} were stopped "
         "(MLflow runs marked FAILED); run again to do the rest"
     )
     return failed
@@ -518,7 +580,7 @@ def _where(workers: int, slots: list[str] | None, ray_address: str | None) -> st
     return f"{workers} local workers: " + ", ".join(f"{slots.count(g)} on GPU {g}" for g in dict.fromkeys(slots))
 
 
-def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
+def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=upstream_stage) -> None:
     start = time.perf_counter()
     if not Path(".dvc").is_dir():
         raise RunnerError("no .dvc directory here: run the runner from the repository's root", 2)
@@ -532,27 +594,44 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell) -> None:
     with runner_lock():
         prepare(params.mlflow.experiment)
         sig.check("stopped before any compute")
-        dvc(["repro", *upstream_stages(params)], env, sig)
-        grid = cells(params)
-        todo = stale_cells(grid, env, sig)
-        print(f"{len(todo)} of {len(grid)} grid cells to run on {_where(workers, slots, args.ray_address)}", flush=True)
-        if todo:
-            os.environ.setdefault("RLHF_THREADS", "1")
-            os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("RLHF_THREADS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        pool = []  # started when there is work: Ray connects to its cluster at once
+
+        def backend():
             ray = args.ray_address
-            backend = RayPool(ray, args.workers_per_gpu) if ray else LocalPool(workers, slots)
-            recorder = Recorder(env, args.commit_every)
-            failed = run_cells(todo, backend, recorder, sig, run_cell, params.mlflow.experiment)
-            if failed:
-                n, names = len(failed), ", ".join(failed)
-                raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+            pool[:] = pool or [RayPool(ray, args.workers_per_gpu) if ray else LocalPool(workers, slots)]
+            return pool[0]
+
+        try:
+            ups = stale_chains(upstream_chains(params), env, sig)
+            if ups:
+                print(f"{len(ups)} upstream chains to build: {', '.join(u.stage for u in ups)}", flush=True)
+                recorder = Recorder(env, args.commit_every, "upstream stages")
+                failed = run_cells(ups, backend(), recorder, sig, run_stage, params.mlflow.experiment)
+                if failed:
+                    raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
+            grid = cells(params)
+            todo = stale_cells(grid, env, sig)
+            where = _where(workers, slots, args.ray_address)
+            print(f"{len(todo)} of {len(grid)} grid cells to run on {where}", flush=True)
+            if todo:
+                recorder = Recorder(env, args.commit_every)
+                failed = run_cells(todo, backend(), recorder, sig, run_cell, params.mlflow.experiment)
+                if failed:
+                    n, names = len(failed), ", ".join(failed)
+                    raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+        finally:
+            for b in pool:
+                b.close()
         if not args.no_analysis:
             dvc(["repro"], env, sig)
     print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
 
 
-def main(argv: list[str] | None = None, run_cell=ppo_cell) -> int:
-    """The command line; ``run_cell(params, cell) -> summary`` runs one cell in a worker (tests swap it)."""
+def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_stage) -> int:
+    """The command line; ``run_cell(params, cell) -> summary`` runs one cell in a worker, ``run_stage(params,
+    upstream) -> summary`` one upstream stage (tests swap them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, help="local processes (default: cores; with CUDA: one per GPU)")
     ap.add_argument("--gpus", help="GPUs for local workers, e.g. 0,1 (default with CUDA: every visible GPU)")
@@ -565,7 +644,7 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell) -> int:
     args = ap.parse_args(argv)
     try:
         with Signals() as sig:
-            run(args, sig, run_cell)
+            run(args, sig, run_cell, run_stage)
     except Interrupted as e:
         print(f"stopped by {e}", file=sys.stderr, flush=True)
         return e.code

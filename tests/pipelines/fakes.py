@@ -6,7 +6,9 @@ rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an in
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`), FAKE_FAST (the first
-FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER (``placed``).
+FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER (``placed``),
+FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none), FAKE_FAIL (the
+upstream stage that fails).
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ LOCK = Path("fake.lock")
 
 
 def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[str, ...] | None = ()) -> str:
-    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC), on a
-    machine whose visible CUDA devices are ``gpus`` (default: none, CPU workers; None: what torch sees)."""
+    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC and upstream
+    stages; with real DVC, the real stages), on a machine whose visible CUDA devices are ``gpus`` (default: none,
+    CPU workers; None: what torch sees)."""
     dvc = (
         "run.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
         "run.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
     )
+    stage = "fakes.stage" if fake_dvc else "run.upstream_stage"
     visible = "" if gpus is None else f"run.visible_gpus = lambda: {list(gpus)!r}; "
     return (
         "import sys; from pipelines import run; from tests.pipelines import fakes; "
-        f"{dvc if fake_dvc else ''}{visible}sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}))"
+        f"{dvc if fake_dvc else ''}{visible}"
+        f"sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}))"
     )
 
 
@@ -76,6 +81,26 @@ def placed(params, cell) -> dict:
     return {"final_gold": float(cell.seed), "wall_s": 0.0}
 
 
+def stage(params, up) -> dict:
+    """An upstream stage: writes FAKE_DIR/stage-<name>.json with its start and end times and the stages of other
+    chains it saw running (each running stage drops a file; a stage waits up to 5 s to meet another one); fails if
+    it is FAKE_FAIL."""
+    here = Path(os.environ["FAKE_DIR"])
+    me, start = here / f"running-{up.stage}", time.time()
+    me.touch()
+    deadline, others = time.monotonic() + 5.0, set()
+    while time.monotonic() < deadline and not others:
+        others = {p.name.removeprefix("running-") for p in here.glob("running-*")} - {up.stage}
+        time.sleep(0.02)
+    time.sleep(0.1)  # still here while the others look
+    me.unlink()
+    if up.stage == os.environ.get("FAKE_FAIL"):
+        raise ValueError(f"{up.stage} broke")
+    record = {"start": start, "end": time.time(), "others": sorted(others)}
+    (here / f"stage-{up.stage}.json").write_text(json.dumps(record))
+    return {"wall_s": 0.0}
+
+
 def slow_real(params, cell) -> dict:
     """The real cell (pipelines.ppo.run_cell) for the first FAKE_FAST cells; the others open their MLflow run and
     sleep in it for a minute, as a long PPO run would (a signal then finds a RUNNING run to mark FAILED)."""
@@ -115,7 +140,8 @@ def main(argv: list[str]) -> int:
         from ablations.grid import cells
 
         done = set(committed())
-        print(json.dumps({c.stage: ["changed"] for c in cells(load_params()) if c.stage not in done}))
+        stale = [s for s in os.environ.get("FAKE_STALE", "").split(",") if s] + [c.stage for c in cells(load_params())]
+        print(json.dumps({s: ["changed"] for s in stale if s not in done}))
     return 0
 
 

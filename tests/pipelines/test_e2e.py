@@ -130,6 +130,8 @@ def repo(tmp_path_factory) -> Path:
 
 def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     out = sh(repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
+    assert "3 upstream chains to build: grammar_data@0, grammar_data@1, arithmetic_data@0" in out.stdout, out.stdout
+    assert "dvc.lock: recorded" in out.stdout and "Running stage 'grammar_sft" not in out.stdout  # built by the pool
     assert "15 of 15 grid cells to run" in out.stdout
     finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/15\] \S+: gold ", line)]
     assert len(finished) == 15, out.stdout  # one line per finished cell

@@ -68,6 +68,12 @@ def recorded(root: Path) -> set[str]:
     return set(yaml.safe_load((root / "dvc.lock").read_text())["stages"]) & grid_stages(root)
 
 
+def locked(root: Path) -> set[str]:
+    """Every stage in dvc.lock (asserting that DVC can read it)."""
+    assert lockfile.problem(root / "dvc.lock") is None
+    return set(yaml.safe_load((root / "dvc.lock").read_text())["stages"])
+
+
 def forget_cells(root: Path) -> None:
     """Every grid cell stale and unrecorded, as before its first run (data, SFT and RM stay)."""
     if not (root / "dvc.lock").exists():
@@ -90,8 +96,8 @@ def status(root: Path) -> dict:
 
 
 def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):  # noqa: F811
-    proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real), then the grid
-    # As soon as the first finished cell is being recorded: Ctrl-C twice.
+    proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real, in the pool), then the grid
+    # As soon as the first finished upstream stage is being recorded: Ctrl-C twice.
     wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.lockfile\0commit"))
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the runner and its workers, not the commit
     time.sleep(0.3)
@@ -99,7 +105,7 @@ def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path)
     assert proc.wait(timeout=120) == 130
     err = (tmp_path / "err.txt").read_text()  # the stages' own logs, then the runner's one line
     assert err.splitlines()[-1].startswith("stopped by SIGINT") and "Traceback" not in err, err
-    first = recorded(repo)  # DVC can read dvc.lock, and it holds every cell that finished
+    first = locked(repo)  # DVC can read dvc.lock, and it holds every stage that finished, up to date
     assert first and first == {s for s in first if s not in status(repo)}
     assert not [p for p in worker_pids(tmp_path) if alive(p)]
     runs = visible_runs(repo)

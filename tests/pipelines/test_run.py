@@ -5,6 +5,7 @@ does the same with real DVC and real cells (slow)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from ablations.config import Params
-from ablations.grid import cells, upstream_stages
+from ablations.grid import cells, upstream_chains
 from pipelines import run
 from tests.conftest import REPO, repo_params
 from tests.pipelines.fakes import committed, runner_script
@@ -212,8 +213,7 @@ def test_a_failing_dvc_ends_with_one_line_and_no_traceback(workdir, monkeypatch,
     monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
     rc = run.main(["--workers", "1"], run_cell=lambda p, c: None)
     err = capsys.readouterr().err
-    upstream = " ".join(upstream_stages(Params.model_validate(repo_params(TINY))))
-    assert rc == 1 and err == f"error: `dvc repro {upstream}` failed (exit 3); DVC's message is above\n"
+    assert rc == 1 and err == "error: `dvc status --json` failed (exit 3); DVC's message is above\n"
 
 
 def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir, capsys, monkeypatch):
@@ -423,3 +423,71 @@ def test_ray_cells_ask_for_their_threads_and_a_share_of_a_gpu():
     assert run.ray_resources(8, 4, 1) == {"num_cpus": 1, "num_gpus": 0.25}
     with pytest.raises(run.RunnerError, match=r"^--workers-per-gpu 2: the Ray cluster has no GPUs$"):
         run.ray_resources(0, 2, 1)
+
+
+CHAINS = upstream_chains(Params.model_validate(repo_params(TINY)))  # grammar 0, 1 (data, sft, rm); arithmetic 0
+
+
+def run_upstream(workdir: Path, stale: list[str], **extra: str) -> subprocess.CompletedProcess:
+    """The runner with fake upstream stages (``stale`` per `dvc status`) and fast fake cells."""
+    return subprocess.run(
+        [sys.executable, "-c", runner_script(), "--workers", "3", "--commit-every", "0", "--no-analysis"],
+        cwd=workdir,
+        env=env(workdir, FAKE_STALE=",".join(stale), FAKE_FAST="1000", **extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def stage_records(workdir: Path) -> dict[str, dict]:
+    return {p.stem.removeprefix("stage-"): json.loads(p.read_text()) for p in (workdir / "fake").glob("stage-*")}
+
+
+def test_upstream_chains_match_dvc_yaml():
+    assert CHAINS == [
+        ["grammar_data@0", "grammar_sft@0", "grammar_rm@0"],
+        ["grammar_data@1", "grammar_sft@1", "grammar_rm@1"],
+        ["arithmetic_data@0", "arithmetic_sft@0"],
+    ]
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for kind in ("data", "sft", "rm"):  # run.upstream_stage runs pipelines.<kind>.main([task, instance])
+        assert stages[f"grammar_{kind}"]["cmd"] == f"python -m pipelines.{kind} grammar ${{item.instance}}"
+
+
+def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cells(workdir):
+    stale = [s for c in CHAINS for s in c]
+    out = run_upstream(workdir, stale)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    records = stage_records(workdir)
+    assert set(records) == set(stale)
+    for chain in CHAINS:  # in order within a chain
+        for a, b in itertools.pairwise(chain):
+            assert records[a]["end"] <= records[b]["start"], (a, b)
+    assert any(records[s]["others"] for s in stale)  # chains overlapped
+    lock = committed(workdir / "fake.lock")
+    assert set(lock[: len(stale)]) == set(stale) and set(lock[len(stale) :]) == {c.stage for c in GRID}
+    assert "3 upstream chains to build: grammar_data@0, grammar_data@1, arithmetic_data@0" in out.stdout
+
+
+def test_a_chain_with_fresh_data_and_stale_sft_starts_at_sft(workdir):
+    out = run_upstream(workdir, ["grammar_sft@1"])
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert set(stage_records(workdir)) == {"grammar_sft@1", "grammar_rm@1"}
+    assert committed(workdir / "fake.lock")[:2] == ["grammar_sft@1", "grammar_rm@1"]
+
+
+def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
+    out = run_upstream(workdir, [])
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert not stage_records(workdir) and "upstream" not in out.stdout
+    assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID}
+
+
+def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(workdir):
+    out = run_upstream(workdir, ["grammar_sft@0", "arithmetic_data@0"], FAKE_FAIL="grammar_sft@0")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert out.stderr == "error: upstream stage failed: grammar_sft@0; its message is above; no cell ran\n"
+    assert "FAILED grammar_sft@0: ValueError: grammar_sft@0 broke" in out.stdout
+    assert set(committed(workdir / "fake.lock")) == {"arithmetic_data@0", "arithmetic_sft@0"}  # the others kept
+    assert not with_outputs(workdir) and not list((workdir / "fake").glob("worker-*"))
