@@ -256,7 +256,8 @@ def train_ppo(
             kl_reward = step_kl_reward(traj, traj.logprobs, traj.logits, cfg)
             batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
         check_finite("rewards", batch.rewards, it)
-        if cfg.diagnostics is not None and it in cfg.diagnostics.at:  # on copies, with their own generator
+        # gradient diagnostics, on copies with their own generator; a run without KL has no KL gradient to judge
+        if cfg.diagnostics is not None and cfg.kl.placement != "none" and it in cfg.diagnostics.at:
             updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, it=it)
             diagnostics += gradient_diagnostics(
                 policy, value_model, opt, ref_policy, train_prompts, task, cfg, it, sample, updates

@@ -141,6 +141,15 @@ def test_diagnostics_do_not_change_the_run(ppo_setup):
     ]
 
 
+def test_a_run_without_kl_has_no_diagnostics_and_is_unchanged(ppo_setup):
+    """A grid's no-KL baseline shares its task's ppo values, diagnostics included: it has no KL gradient to judge."""
+    kl = dict(placement="none", estimator=None, coef=0.0)
+    plain = run_diagnostics(ppo_setup, kl)
+    measured = run_diagnostics(ppo_setup, kl, diagnostics=diag(at=(1, 2)))
+    assert measured["diagnostics"] == []
+    assert plain["history"] == measured["history"] and plain["evals"] == measured["evals"]
+
+
 @pytest.mark.parametrize("algorithm, group_size", [("grpo", 2), ("rloo", 2), ("reinforce_pp", 1)])
 def test_diagnostics_under_critic_free_algorithms(ppo_setup, algorithm, group_size):
     kl = dict(placement="both", estimator="k3", both_split=0.5)
