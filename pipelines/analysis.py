@@ -27,8 +27,8 @@ REPORTS_DIR = Path("reports")
 
 def protocol_keys(task: str) -> list[str]:
     """The params.yaml keys of the pre-registered protocol the lock watches: the analysis section and the design
-    values it judges (coefficients, KL targets)."""
-    return ["analysis", f"{task}.coefs", f"{task}.kl_targets"]
+    values it judges (coefficients, KL targets, and the controller that steers the matched-KL cells)."""
+    return ["analysis", f"{task}.coefs", f"{task}.kl_targets", "grid.matched"]
 
 
 def main(
