@@ -21,6 +21,7 @@ from .test_e2e import TINY, sh, write_params
 
 pytestmark = pytest.mark.slow
 DVC = (sys.executable, "-m", "dvc")
+LOCK = "**Protocol lock.**"
 
 
 def copy_project(dest: Path) -> None:
@@ -68,5 +69,23 @@ def test_push_clone_pull_gives_every_result_and_the_same_report(tmp_path):
     out = sh(clone, *DVC, "repro", "--force", "--single-item", "grammar_analysis").stdout
     ran = [line for line in out.splitlines() if line.startswith("Running stage")]
     assert ran == ["Running stage 'grammar_analysis':"], out
-    assert tree(clone, "reports") == tree(author, "reports")
+    # Every byte equal but the protocol-lock paragraph, which reads git history: the author's report was written
+    # before its first commit ("not a git repository with commits"), the clone's names that commit.
+    assert without_lock(tree(clone, "reports")) == without_lock(tree(author, "reports"))
+    assert "The reported results were recorded in commit" in lock_line(clone)
+    assert "not a git repository with commits" in lock_line(author)
     assert json.loads(sh(clone, *DVC, "status", "--json").stdout or "{}") == {}
+
+
+def lock_line(root: Path) -> str:
+    lines = (root / "reports/grammar/report.md").read_text().splitlines()
+    return next(line for line in lines if line.startswith(LOCK))
+
+
+def without_lock(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {
+        name: b"\n".join(line for line in data.split(b"\n") if not line.startswith(LOCK.encode()))
+        if name.endswith("report.md")
+        else data
+        for name, data in files.items()
+    }
