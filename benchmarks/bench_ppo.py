@@ -13,6 +13,9 @@ least. The baseline is ``git archive <commit>`` unpacked in a temporary director
 processes (PYTHONPATH); both trees get the same resolved configuration (read here, from this tree's
 params.yaml). Models are seeded fresh initialisations, not trained ones: every tensor shape of a PPO iteration is
 fixed (responses are padded to max_new_tokens), so the cost does not depend on the weights.
+``--compile`` adds a fifth variant, this tree pinned with ``torch.compile`` (inductor, fixed shapes, compiled in
+process so that its CPU time counts) on every teacher-forced forward of the rollout, the scoring and the minibatch
+loss with its backward: the candidate issue 8 names, measured rather than adopted (README, "Speed").
 ``--profile`` adds two torch.profiler runs, before (baseline, unpinned) and after (this tree, pinned): aten calls
 per iteration (all, and top-level ones: those not called by another aten op) and the operators by self CPU time.
 Results: stdout and benchmarks/out/bench_ppo.json (git-ignored); no tracked file is written.
@@ -60,8 +63,8 @@ def spec(iterations: int | None) -> dict:
     }
 
 
-def child(workload: dict, profile: bool) -> dict:
-    """One PPO run in this process, with whichever tree PYTHONPATH points at."""
+def child(workload: dict, profile: bool, compiled: bool = False) -> dict:
+    """One PPO run in this process, with whichever tree PYTHONPATH points at (``compiled``: see ``compile_ppo``)."""
     import pipelines  # this tree pins the CPU math here, before torch; the baseline's package is empty
 
     # isort: split
@@ -78,6 +81,8 @@ def child(workload: dict, profile: bool) -> dict:
     from rlhf.task import make_grammar, sample_prompts
 
     setup()
+    if compiled:
+        compile_ppo()
     # each tree gets the fields its own version knows (the baseline predates some)
     accepted = inspect.signature(make_grammar).parameters
     grammar = make_grammar(**{k: v for k, v in workload["grammar"].items() if k in accepted})
@@ -121,6 +126,21 @@ def child(workload: dict, profile: bool) -> dict:
     return out
 
 
+def compile_ppo() -> None:
+    """torch.compile (inductor, static shapes) of rlhf.ppo's teacher-forced forwards (rollout log-probs, reference,
+    values), its reward-model score and its minibatch loss (whose backward AOTAutograd compiles too); sampling stays
+    eager. Compiled in this process (one compile thread) so that process time includes compiling; inductor's on-disk
+    cache is warm after the first such run."""
+    import torch
+    import torch._inductor.config as inductor
+
+    from rlhf import ppo
+
+    inductor.compile_threads = 1
+    for name in ("minibatch_loss", "response_logits", "response_values", "score"):
+        setattr(ppo, name, torch.compile(getattr(ppo, name), dynamic=False))
+
+
 def known_fields(model, values: dict, prefix: str = "") -> tuple[dict, dict]:
     """``values`` restricted to the fields ``model`` (a pydantic class of the tree under test) knows, recursing
     into nested models (the baseline's KLConfig predates some fields), and the dropped fields by dotted name."""
@@ -153,14 +173,14 @@ def profile_summary(prof, iterations: int) -> dict:
     }
 
 
-def run_child(tree: Path, pinned: bool, workload: dict, profile: bool = False) -> dict:
+def run_child(tree: Path, pinned: bool, workload: dict, profile: bool = False, compiled: bool = False) -> dict:
     from pipelines.cpu import PIN, PIN_ENV, pin_env
 
     env = {k: v for k, v in os.environ.items() if k not in PIN and k != PIN_ENV}
     env |= {"PYTHONPATH": str(tree), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
     env |= pin_env() if pinned else {}  # the baseline has no pin of its own: it gets the same variables
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(workload)]
-    cmd += ["--profile"] * profile
+    cmd += ["--profile"] * profile + ["--compile"] * compiled
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         sys.exit(f"benchmark child failed in {tree}:\n{proc.stderr[-3000:]}")
@@ -184,23 +204,24 @@ def main() -> None:
     ap.add_argument("--baseline", default=BASELINE, help="commit to compare against")
     ap.add_argument("--iterations", type=int, help="PPO iterations per run (default: params.yaml's)")
     ap.add_argument("--profile", action="store_true", help="also profile one run per tree")
+    ap.add_argument("--compile", action="store_true", help="also time this tree with torch.compile (pinned)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child), args.profile)))
+        print(json.dumps(child(json.loads(args.child), args.profile, args.compile)))
         return
     sys.path.insert(0, str(ROOT))  # this tree's packages, whatever the editable install points at
     workload = spec(args.iterations)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"baseline": unpack(args.baseline, Path(tmp)), "new": ROOT}
-        variants = [(t, p) for t in trees for p in (False, True)]
+        variants = [(t, p, False) for t in trees for p in (False, True)] + [("new", True, True)] * args.compile
         runs = {v: [] for v in variants}
         for r in range(args.repeats):
-            for v in variants[r % 4 :] + variants[: r % 4]:  # rotate the order: no variant always runs first
-                runs[v].append(run_child(trees[v[0]], v[1], workload))
+            k = r % len(variants)
+            for v in variants[k:] + variants[:k]:  # rotate the order: no variant always runs first
+                runs[v].append(run_child(trees[v[0]], v[1], workload, compiled=v[2]))
                 print(
-                    f"  repeat {r + 1} {v[0]:8s} pin {'on ' if v[1] else 'off'}: "
-                    f"{runs[v][-1]['iteration_cpu_ms']:.1f} ms/iteration",
+                    f"  repeat {r + 1} {name(v)}: {runs[v][-1]['iteration_cpu_ms']:.1f} ms/iteration",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -211,6 +232,11 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
+
+
+def name(variant: tuple[str, bool, bool]) -> str:
+    tree, pinned, compiled = variant
+    return f"{tree} pin {'on' if pinned else 'off'}" + " compiled" * compiled
 
 
 def report(result: dict) -> str:
@@ -239,16 +265,16 @@ def report(result: dict) -> str:
 def summarise(runs: dict, workload: dict, baseline: str, repeats: int) -> dict:
     med = lambda v, k: statistics.median(r[k] for r in runs[v])
     table = {
-        f"{t} pin {'on' if p else 'off'}": {
-            "iteration_cpu_ms": med((t, p), "iteration_cpu_ms"),
-            "run_cpu_s": med((t, p), "run_cpu_s"),
-            "run_wall_s": med((t, p), "run_wall_s"),
-            "capability": runs[(t, p)][0]["capability"],
-            "mkl_cbwr": runs[(t, p)][0]["mkl_cbwr"],
-            "ignored_fields": runs[(t, p)][0]["ignored_fields"],
-            "iteration_cpu_ms_each": [round(r["iteration_cpu_ms"], 2) for r in runs[(t, p)]],
+        name(v): {
+            "iteration_cpu_ms": med(v, "iteration_cpu_ms"),
+            "run_cpu_s": med(v, "run_cpu_s"),
+            "run_wall_s": med(v, "run_wall_s"),
+            "capability": runs[v][0]["capability"],
+            "mkl_cbwr": runs[v][0]["mkl_cbwr"],
+            "ignored_fields": runs[v][0]["ignored_fields"],
+            "iteration_cpu_ms_each": [round(r["iteration_cpu_ms"], 2) for r in runs[v]],
         }
-        for t, p in runs
+        for v in runs
     }
     it = lambda name: table[name]["iteration_cpu_ms"]
     return {
@@ -261,7 +287,15 @@ def summarise(runs: dict, workload: dict, baseline: str, repeats: int) -> dict:
             "pin on (baseline / new)": it("baseline pin on") / it("new pin on"),
             "net (baseline unpinned / new pinned)": it("baseline pin off") / it("new pin on"),
             "pin cost on new code (pinned / unpinned)": it("new pin on") / it("new pin off"),
-        },
+        }
+        | (
+            {
+                "torch.compile (baseline unpinned / new pinned compiled)": it("baseline pin off")
+                / it("new pin on compiled")
+            }
+            if "new pin on compiled" in table
+            else {}
+        ),
         "speedup_whole_run_cpu": table["baseline pin off"]["run_cpu_s"] / table["new pin on"]["run_cpu_s"],
     }
 

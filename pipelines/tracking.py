@@ -198,18 +198,19 @@ def view_path(experiment_id: str) -> str:
 def description(experiment_id: str) -> str:
     """The experiment description (markdown). The UI shows only its first paragraph until expanded, so that one
     fits a line: where the answer is, and a link to the training-curves view."""
-    return f"""**Does it matter where the KL penalty goes?** The answer: `reports/report.md` (also an artifact of the \
-`analysis` run). Start with the [training curves by arm]({view_path(experiment_id)}).
+    return f"""**Does it matter where the KL penalty goes?** The answer: `reports/<task>/report.md` (artifact of \
+each `<task>_analysis` run). Start with the [training curves by arm]({view_path(experiment_id)}).
 
 - **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`). Re-running a stage replaces \
 its run; a stage that died leaves its run *Failed*.
-- **Tags**: a grid cell's axes (`arm`, `coef`, `seed`, `placement`, `estimator`, `target`) and `git_commit`. \
+- **Tags**: a grid cell's axes (`task`, `kind`, `instance`, `arm`, `coef`, `kl_target`, `placement`, `estimator`, \
+`target`, ...) and `git_commit`. \
 Filter with e.g. `tags.arm = "loss_k3"`, or *Group by* a tag.
 - **Metrics** by PPO iteration: `eval/*`, the held-out measurement every arm shares (gold reward, exact \
 KL(π‖π_ref), proxy reward, entropy, length, share of ungrammatical words), and `train/*`, each arm's own training \
-statistics; `final_*`/`peak_*`, a cell's summary; the `analysis` run's verdict counts.
-- **Artifacts**: each cell's `curves.png`; the `analysis` run's report, figures and every comparison as a table \
-(`comparisons.json`: *View as table*).
+statistics; `final_*`/`peak_*`, a cell's summary; the `<task>_analysis` runs' verdict counts.
+- **Artifacts**: each cell's `curves.png`; each `<task>_analysis` run's report, figures and every comparison as a \
+table (`comparisons.json`: *View as table*).
 - **Params**: the stage's resolved configuration from `params.yaml`.
 """
 

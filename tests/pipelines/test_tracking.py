@@ -66,6 +66,7 @@ def test_description_first_line_points_to_report_and_curves():
     text = tracking.description("7")
     first = text.split("\n\n")[0]
     visible = re.sub(r"[*`\[\]]", "", re.sub(r"\]\([^)]*\)", "]", first))  # as rendered: no markup, no address
-    assert "reports/report.md" in first and f"]({tracking.view_path('7')})" in first
+    assert "reports/<task>/report.md" in first and "<task>_analysis" in first
+    assert f"]({tracking.view_path('7')})" in first
     assert len(visible) < 160  # one line of the collapsed description in a 1600-px window
     assert "tags.arm" in text and "dvc_stage" in text
