@@ -108,6 +108,7 @@ class SFTParams(BaseModel):
     steps: int = Field(gt=0, le=10_000_000)
     batch_size: int = Field(gt=0, le=1_000_000)
     lr: FiniteFloat = Field(gt=0.0, le=1.0)
+    adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon")
     n_heldout: int = Field(gt=0, description="the last demonstrations, held out for NLL")
 
 
@@ -119,6 +120,7 @@ class RMParams(BaseModel):
     steps: int = Field(gt=0, le=10_000_000)
     batch_size: int = Field(gt=0, le=1_000_000)
     lr: FiniteFloat = Field(gt=0.0, le=1.0)
+    adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon")
 
 
 class PPODefaults(PPOConfig):

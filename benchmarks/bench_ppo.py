@@ -40,9 +40,10 @@ OUT = ROOT / "benchmarks" / "out" / "bench_ppo.json"
 BASELINE = "aa745cb"  # main before issue 8's speed work: Adam's per-tensor loop, NaN-filled new memory, no pin
 
 
-def spec(iterations: int | None) -> dict:
+def spec(iterations: int | None, d_model: int | None = None) -> dict:
     """The resolved workload, as plain JSON for both trees: grammar, model and PPO config of the reference cell
-    (``iterations`` overrides params.yaml's, for a shorter benchmark)."""
+    (``iterations`` overrides params.yaml's, for a shorter benchmark; ``d_model`` the model width, e.g. 8 for the
+    cost of an iteration with almost no arithmetic: what dispatch, autograd and Python cost per op)."""
     from ablations.config import load_params
     from ablations.grid import cells
 
@@ -56,7 +57,8 @@ def spec(iterations: int | None) -> dict:
     return {
         "grammar": grammar,
         "prompts": [t.n_train_prompts, t.n_eval_prompts],
-        "model": p.grammar.model.model_dump(include={"d_model", "n_layers", "n_heads"}),
+        "model": p.grammar.model.model_dump(include={"d_model", "n_layers", "n_heads"})
+        | ({"d_model": d_model} if d_model else {}),
         "ppo": p.grammar.ppo_config(cell.kl, cell.seed).model_dump(mode="json")
         | ({"iterations": iterations} if iterations else {}),
         "arm": cell.stage,
@@ -203,6 +205,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", default=BASELINE, help="commit to compare against")
     ap.add_argument("--iterations", type=int, help="PPO iterations per run (default: params.yaml's)")
+    ap.add_argument("--d-model", type=int, help="model width (default: params.yaml's)")
     ap.add_argument("--profile", action="store_true", help="also profile one run per tree")
     ap.add_argument("--compile", action="store_true", help="also time this tree with torch.compile (pinned)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -211,7 +214,7 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child), args.profile, args.compile)))
         return
     sys.path.insert(0, str(ROOT))  # this tree's packages, whatever the editable install points at
-    workload = spec(args.iterations)
+    workload = spec(args.iterations, args.d_model)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"baseline": unpack(args.baseline, Path(tmp)), "new": ROOT}
         variants = [(t, p, False) for t in trees for p in (False, True)] + [("new", True, True)] * args.compile
@@ -241,7 +244,8 @@ def name(variant: tuple[str, bool, bool]) -> str:
 
 def report(result: dict) -> str:
     """The result as a few lines of text (the JSON file has everything)."""
-    lines = [f"{result['workload']}, baseline {result['baseline']}, {result['repeats']} repeats; CPU time:"]
+    head = f"{result['workload']} (model {result['model']}), baseline {result['baseline']}"
+    lines = [f"{head}, {result['repeats']} repeats; CPU time:"]
     for name, v in result["variants"].items():
         each = ", ".join(f"{x:.1f}" for x in v["iteration_cpu_ms_each"])
         lines.append(
@@ -279,6 +283,7 @@ def summarise(runs: dict, workload: dict, baseline: str, repeats: int) -> dict:
     it = lambda name: table[name]["iteration_cpu_ms"]
     return {
         "workload": workload["arm"],
+        "model": workload["model"],
         "baseline": baseline,
         "repeats": repeats,
         "variants": table,

@@ -49,7 +49,7 @@ def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device
     rm = R.init_reward_model(sft).train()
     with tqdm(total=p.steps, desc="rm", leave=False) as bar:
         losses = R.train_reward_model(
-            rm, prompts[:n], chosen[:n], rejected[:n], p.steps, p.batch_size, p.lr, g, bar.update
+            rm, prompts[:n], chosen[:n], rejected[:n], p.steps, p.batch_size, p.lr, g, bar.update, adam_eps=p.adam_eps
         )
     rm.eval()
     R.normalize(rm, prompts[:n], a[:n])

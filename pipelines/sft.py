@@ -41,10 +41,9 @@ def fit(section: TaskSection, seed: int, data: dict, device: torch.device) -> tu
     (tp, tr), (vp, vr) = (prompts[:-n], responses[:-n]), (prompts[-n:], responses[-n:])
     with torch.no_grad():
         nll_before = response_nll(model, vp, vr).item()
+    g = torch.Generator(device).manual_seed(seed)
     with tqdm(total=p.steps, desc="sft", leave=False) as bar:
-        losses = train_sft(
-            model, tp, tr, p.steps, p.batch_size, p.lr, torch.Generator(device).manual_seed(seed), bar.update
-        )
+        losses = train_sft(model, tp, tr, p.steps, p.batch_size, p.lr, g, bar.update, adam_eps=p.adam_eps)
     with torch.no_grad():
         metrics = {
             "heldout_nll_before": nll_before,

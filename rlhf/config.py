@@ -147,6 +147,7 @@ class PPOConfig(BaseModel):
     minibatch_size: int = Field(gt=0)
     epochs: int = Field(gt=0, le=1_000)
     lr: FiniteFloat = Field(gt=0.0, le=1.0)
+    adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon (lm-human-preferences: 1e-5)")
     temperature: FiniteFloat = Field(gt=0.0, le=100.0)
     gamma: FiniteFloat = Field(ge=0.0, le=1.0)
     lam: FiniteFloat = Field(ge=0.0, le=1.0)

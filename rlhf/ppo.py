@@ -229,7 +229,7 @@ def train_ppo(
         value_model = copy.deepcopy(reward_model) if reward_model is not None else init_reward_model(ref_policy)
     score_fn = scorer(reward_model, task, cfg.missing_eos_score)
     params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
-    opt = adam(params, lr=cfg.lr, eps=1e-5)
+    opt = adam(params, lr=cfg.lr, eps=cfg.adam_eps)
     ctl = K.controller(kc)
     train_ref = ref_policy if kc.ref_sync_every is None else copy.deepcopy(ref_policy)  # moving reference
     measure = lambda it: {

@@ -64,9 +64,12 @@ def train_reward_model(
     lr: float,
     generator: torch.Generator,
     progress=None,
+    *,
+    adam_eps: float,
 ) -> list[float]:
-    """Adam on the Bradley-Terry loss over random minibatches. Returns the loss of every step."""
-    opt = adam(reward_model.parameters(), lr=lr, eps=1e-8)
+    """Adam (``rlhf.model.adam``: ``lr``, ``adam_eps``) on the Bradley-Terry loss over random minibatches. Returns
+    the loss of every step."""
+    opt = adam(reward_model.parameters(), lr=lr, eps=adam_eps)
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)

@@ -29,9 +29,12 @@ def train_sft(
     lr: float,
     generator: torch.Generator,
     progress=None,
+    *,
+    adam_eps: float,
 ) -> list[float]:
-    """Adam on ``response_nll`` over random minibatches. Returns the training loss of every step."""
-    opt = adam(model.parameters(), lr=lr, eps=1e-8)
+    """Adam (``rlhf.model.adam``: ``lr``, ``adam_eps``) on ``response_nll`` over random minibatches. Returns the
+    training loss of every step."""
+    opt = adam(model.parameters(), lr=lr, eps=adam_eps)
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)

@@ -72,7 +72,7 @@ def sft(grammar) -> SFTResult:
     model = tiny_lm(grammar)
     with torch.no_grad():
         initial = response_nll(model, heldout_prompts, heldout_responses).item()
-    train_sft(model, prompts, responses, steps=60, batch_size=32, lr=1e-2, generator=g)
+    train_sft(model, prompts, responses, steps=60, batch_size=32, lr=1e-2, generator=g, adam_eps=1e-8)
     return SFTResult(model.eval(), initial, heldout_prompts, heldout_responses)
 
 
@@ -87,9 +87,7 @@ def rm(grammar, sft) -> RMResult:
     chosen, rejected, _ = preference_pairs(grammar, prompts, a, b, 0.0, g)
     torch.manual_seed(1)
     model = R.init_reward_model(sft.model)
-    R.train_reward_model(
-        model, prompts[:n_train], chosen[:n_train], rejected[:n_train], steps=60, batch_size=32, lr=1e-2, generator=g
-    )
+    R.train_reward_model(model, prompts[:n_train], chosen[:n_train], rejected[:n_train], 60, 32, 1e-2, g, adam_eps=1e-8)
     model.eval()
     R.normalize(model, prompts[:n_train], a[:n_train])
     return RMResult(model, *gold_ordered(grammar, prompts[n_train:], a[n_train:], b[n_train:]))
@@ -145,6 +143,7 @@ PPO_BASE = dict(
     algorithm="ppo",
     group_size=1,
     lr=1e-3,
+    adam_eps=1e-5,
     temperature=1.0,
     gamma=1.0,
     lam=0.95,

@@ -90,9 +90,9 @@ def test_two_sft_and_reward_model_trainings_are_bit_identical(grammar, sft, no_n
         prompts = sample_prompts(grammar, 64, g)
         responses = sample_responses(grammar, prompts, g)
         lm = tiny_lm(grammar, seed=3)
-        sft_losses = train_sft(lm, prompts, responses, steps=5, batch_size=16, lr=1e-2, generator=g)
+        sft_losses = train_sft(lm, prompts, responses, steps=5, batch_size=16, lr=1e-2, generator=g, adam_eps=1e-8)
         rm = R.init_reward_model(sft.model)
-        rm_losses = R.train_reward_model(rm, prompts, responses, responses.flip(0), 5, 16, 1e-2, g)
+        rm_losses = R.train_reward_model(rm, prompts, responses, responses.flip(0), 5, 16, 1e-2, g, adam_eps=1e-8)
         runs.append((sft_losses, rm_losses, weights(lm), weights(rm)))
     (sa, ra, wla, wra), (sb, rb, wlb, wrb) = runs
     assert sa == sb and ra == rb

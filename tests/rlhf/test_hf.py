@@ -273,7 +273,7 @@ def hf_setup(grammar):
     torch.manual_seed(0)
     sft = hf.from_config("llama", grammar.vocab_size, P + T, d_model=16, n_layers=1, n_heads=2, intermediate_size=32)
     before = response_nll(sft, prompts, responses).item()
-    train_sft(sft, prompts, responses, steps=30, batch_size=32, lr=1e-2, generator=g)
+    train_sft(sft, prompts, responses, steps=30, batch_size=32, lr=1e-2, generator=g, adam_eps=1e-8)
     after = response_nll(sft, prompts, responses).item()
     a = generate(sft, prompts, T, 1.0, g, EOS)
     b = generate(sft, prompts, T, 1.0, g, EOS)
@@ -281,7 +281,7 @@ def hf_setup(grammar):
 
     chosen, rejected, _ = preference_pairs(grammar, prompts, a, b, 0.0, g)
     rm = R.init_reward_model(sft)
-    R.train_reward_model(rm, prompts, chosen, rejected, steps=20, batch_size=32, lr=1e-2, generator=g)
+    R.train_reward_model(rm, prompts, chosen, rejected, steps=20, batch_size=32, lr=1e-2, generator=g, adam_eps=1e-8)
     R.normalize(rm.eval(), prompts, a)
     policy = copy.deepcopy(sft.eval())
     with torch.no_grad():
