@@ -13,7 +13,10 @@ worker also reports sampling and training tokens/s (``bench_backends.Bench``, me
 (``torch.cuda.max_memory_allocated``; max RSS on CPU). Results: stdout and benchmarks/out/gpu.json (git-ignored).
 Workload: params.yaml's grammar task, instance 0.
 
-Written and run on CPU only (``--device cpu``); not yet run on CUDA.
+Run on an NVIDIA H200 (2026-11-30; torch 2.11.0+cu130, the device machine's build): ``--device cuda --iterations 20``,
+fp32, saved as benchmarks/gpu_h200.json. The first CUDA runs failed and found two library bugs, fixed since: the
+grammar's gold reward indexed its CPU tables with CUDA tensors, and a ``ScalarModel`` left its new score head on the
+CPU under a CUDA backbone (every reward model, and the value model of a verifier task).
 """
 
 from __future__ import annotations

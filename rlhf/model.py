@@ -92,10 +92,11 @@ class ScalarModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         d = backbone.head.in_features  # the hidden size, for any backbone with ``hidden`` + a Linear ``head``
+        device = backbone.head.weight.device  # the head is drawn on the CPU (the same numbers on any device), then
         self.backbone.head = nn.Identity()  # the LM head is unused; keep state_dicts small and honest
-        self.score = nn.Linear(d, 1)
-        self.register_buffer("gain", torch.ones(()))
-        self.register_buffer("bias", torch.zeros(()))
+        self.score = nn.Linear(d, 1).to(device)  # moved to the backbone's
+        self.register_buffer("gain", torch.ones((), device=device))
+        self.register_buffer("bias", torch.zeros((), device=device))
 
     def forward(self, tokens: torch.Tensor, first: int = 0) -> torch.Tensor:
         """tokens (b, s) -> scalars (b, s - first) at positions first..s-1 (``TinyLM.hidden``'s ``first``)."""

@@ -202,8 +202,9 @@ def response_mask(responses: torch.Tensor) -> torch.Tensor:
 def gold_reward(grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     """The gold reward of the module docstring. prompts (b, p), responses (b, t) -> (b,) float."""
     prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)  # (b, t)
-    legal = grammar.legal[prev, responses]  # (b, t)
-    per_token = torch.where(legal, grammar.quality[responses], torch.tensor(-grammar.illegal_penalty))
+    legal = grammar.legal.to(prev.device)[prev, responses]  # (b, t); the grammar's tables stay on the CPU
+    quality = grammar.quality.to(prev.device)[responses]  # (b, t)
+    per_token = torch.where(legal, quality, torch.tensor(-grammar.illegal_penalty))
     counted = response_mask(responses) * (responses != EOS).float()
     return (per_token * counted).sum(1) / grammar.max_new_tokens
 
@@ -212,7 +213,7 @@ def illegal_fraction(grammar: Grammar, prompts: torch.Tensor, responses: torch.T
     """(b,) fraction of counted response tokens that form an illegal bigram with their predecessor."""
     prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)
     counted = response_mask(responses) * (responses != EOS).float()
-    illegal = (~grammar.legal[prev, responses]).float() * counted
+    illegal = (~grammar.legal.to(prev.device)[prev, responses]).float() * counted
     return illegal.sum(1) / counted.sum(1).clamp(min=1.0)
 
 

@@ -83,6 +83,30 @@ def test_two_ppo_runs_with_the_same_seed_are_bit_identical(ppo_setup, no_nan_fil
     assert not torch.equal(wa["head.weight"], s.policy.head.weight)  # it did train
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "kl", [dict(placement="reward", estimator="k1"), dict(placement="loss", estimator="full", target="old_policy")]
+)
+def test_two_ppo_runs_on_cuda_with_the_same_seed_are_bit_identical(ppo_setup, no_nan_fill, kl, monkeypatch):
+    """The README's claim for GPUs, run to run on one GPU: deterministic algorithms (conftest) and cuBLAS's fixed
+    workspace, as ``pipelines.common.setup`` sets them. The variable is read when cuBLAS starts, at the first CUDA
+    matmul of the process, which is this test's."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    s, dev = ppo_setup, torch.device("cuda")
+    on = lambda m: copy.deepcopy(m).to(dev)
+    runs = []
+    for _ in range(2):
+        policy = on(s.policy)
+        cfg = small_ppo_config(iterations=3, seed=5, kl={**kl, "coef": 0.1})
+        prompts = s.train_prompts.to(dev), s.eval_prompts.to(dev)
+        out = train_ppo(policy, on(s.ref), on(s.reward_model), s.grammar, *prompts, cfg)
+        runs.append((out, weights(policy)))
+    (a, wa), (b, wb) = runs
+    assert a["history"] == b["history"] and a["evals"] == b["evals"] and a["summary"] == b["summary"]
+    assert_bitwise_equal(wa, wb)
+    assert not torch.equal(wa["head.weight"].cpu(), s.policy.head.weight)  # it did train
+
+
 def test_two_sft_and_reward_model_trainings_are_bit_identical(grammar, sft, no_nan_fill):
     runs = []
     for _ in range(2):

@@ -108,6 +108,17 @@ def test_scalar_model_outputs_one_value_per_position():
     torch.testing.assert_close(model(random_prompts(3)), 2.0 * out + 1.0)
 
 
+def test_scalar_model_lives_on_its_backbones_device():
+    """A backbone on another device (``meta`` here; CUDA in a GPU stage, where a head left on the CPU failed at the
+    first forward) gets the score head and the buffers there too, and on the CPU the head draws the numbers it
+    always drew."""
+    model = ScalarModel(random_lm().to("meta"))
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    on_cpu = ScalarModel(random_lm(seed=7)).score.weight
+    random_lm(seed=7)  # the same draws up to the head
+    assert torch.equal(on_cpu, torch.nn.Linear(on_cpu.shape[1], 1).weight)
+
+
 @pytest.mark.parametrize("first", [0, 1, P - 1, P + T - 1])
 def test_forward_from_first_computes_the_full_forwards_later_positions(first):
     """``first`` only skips work: the outputs at positions first.. are those of the full forward (the last
