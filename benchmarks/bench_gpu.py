@@ -14,9 +14,11 @@ worker also reports sampling and training tokens/s (``bench_backends.Bench``, me
 Workload: params.yaml's grammar task, instance 0.
 
 Run on an NVIDIA H200 (2026-11-30; torch 2.11.0+cu130, the device machine's build): ``--device cuda --iterations 20``,
-fp32, saved as benchmarks/gpu_h200.json. The first CUDA runs failed and found two library bugs, fixed since: the
-grammar's gold reward indexed its CPU tables with CUDA tensors, and a ``ScalarModel`` left its new score head on the
-CPU under a CUDA backbone (every reward model, and the value model of a verifier task).
+fp32, saved as benchmarks/gpu_h200.json. The first CUDA runs found library bugs, fixed since and covered by
+tests/rlhf/test_cuda.py (skipped without a GPU): the grammar's gold reward indexed its CPU tables with CUDA tensors,
+a ``ScalarModel`` left its new score head on the CPU under a CUDA backbone (every reward model, and the value model
+of a verifier task), and SFT, reward-model training and the preference labels drew with a CUDA generator onto the
+CPU.
 """
 
 from __future__ import annotations

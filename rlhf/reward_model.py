@@ -72,7 +72,7 @@ def train_reward_model(
     opt = adam(reward_model.parameters(), lr=lr, eps=adam_eps)
     losses = []
     for _ in range(steps):
-        idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)
+        idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator, device=prompts.device)
         loss = bt_loss(reward_model, prompts[idx], chosen[idx], rejected[idx])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"reward-model loss is non-finite at step {len(losses)}")

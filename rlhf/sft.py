@@ -37,7 +37,7 @@ def train_sft(
     opt = adam(model.parameters(), lr=lr, eps=adam_eps)
     losses = []
     for _ in range(steps):
-        idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator)
+        idx = torch.randint(0, prompts.shape[0], (batch_size,), generator=generator, device=prompts.device)
         loss = response_nll(model, prompts[idx], responses[idx])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss is non-finite at step {len(losses)}")

@@ -242,7 +242,7 @@ def preference_pairs(
     """
     diff = gold_difference(grammar, prompts, responses_a, responses_b)
     p_a = torch.sigmoid(diff / max(noise, 1e-8))
-    a_wins = torch.rand(p_a.shape, generator=generator) < p_a
+    a_wins = torch.rand(p_a.shape, generator=generator, device=p_a.device) < p_a
     chosen = torch.where(a_wins[:, None], responses_a, responses_b)
     rejected = torch.where(a_wins[:, None], responses_b, responses_a)
     agrees = (a_wins == (diff > 0)) | (diff == 0)  # a tie agrees with either label
