@@ -15,7 +15,7 @@ params.yaml). Models are seeded fresh initialisations, not trained ones: every t
 fixed (responses are padded to max_new_tokens), so the cost does not depend on the weights.
 ``--compile`` adds a fifth variant, this tree pinned with ``torch.compile`` (inductor, fixed shapes, compiled in
 process so that its CPU time counts) on every teacher-forced forward of the rollout, the scoring and the minibatch
-loss with its backward: the candidate issue 8 names, measured rather than adopted (README, "Speed").
+loss with its backward: the candidate issue 8 names, measured rather than adopted (README, "Why not 1.4×").
 ``--profile`` adds two torch.profiler runs, before (baseline, unpinned) and after (this tree, pinned): aten calls
 per iteration (all, and top-level ones: those not called by another aten op) and the operators by self CPU time.
 Results: stdout and benchmarks/out/bench_ppo.json (git-ignored); no tracked file is written.
