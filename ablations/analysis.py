@@ -1,15 +1,17 @@
-"""The analysis stage: does it matter where the KL penalty goes? Protocol v2 (params.yaml ``analysis``).
+"""The analysis stage: does it matter where the KL penalty goes? Protocol v3 (params.yaml ``analysis``).
 
-Every task is analysed separately with the same protocol (ablations/questions.py: Q1 restraint, Q2 matched
-coefficient, Q3 matched KL by construction, Q4 cross-fitted tuning, each with positive controls), then every question
-is answered again on each half of the instances (ablations/answers.py), and the report is written per task
-(ablations/report.py, ablations/plots.py), with the gradient-diagnostic table and figure of the runs that have
-diagnostics (ablations/diagnostics.py; descriptive, outside the protocol). The run directories come from the grid, as
-a list of ExpectedRun; nothing else is read, and a missing run stops the analysis naming its stage.
+Every task is analysed separately. Its protocol was fixed on calibration instances by the ``<task>_calibrate`` stage
+(protocol/<task>.json: margins, KL target, coefficients, the margin-sized control); the evaluation runs are judged
+by it: the pre-registered primary questions by exact sequential tests (ablations/primary.py), which alone carry the
+headline, then every other comparison the runs allow as exploratory families (ablations/questions.py), descriptive
+tables (ablations/descriptive.py) and the gradient-diagnostic table (ablations/diagnostics.py). The run directories
+come from the grid, as a list of ExpectedRun; nothing else is read, and a missing run stops the analysis naming its
+stage.
 
-Entry points: analyse(protocol, expected, root, lock) -> Results; write_outputs(results, out_dir) -> list[Path]
-(every task) or write_task(results, task, out_dir) (one task's folder); run(..., task=None) does both. ``lock`` is
-ablations.lock.protocol_lock(...) or None (then the report says it was not checked).
+Entry points: analyse(protocol, expected, root, lock, calibrated, order) -> Results; write_task(results, task,
+out_dir) -> list[Path]; run(..., task) does both. ``lock`` is ablations.lock.protocol_lock(...) or None (then the
+report says it was not checked); ``calibrated`` maps each task to its protocol/<task>.json document (with a
+``frozen`` record: path, sha256, commit) and ``order`` each task to its evaluation instances in pre-registered order.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from ablations import answers as A
 from ablations import descriptive as D
 from ablations import diagnostics as G
+from ablations import primary as P
 from ablations import report
 from ablations.config import AnalysisParams
 from ablations.load import BASELINE, ExpectedRun, MissingResultsError, load_diagnostics, load_runs
@@ -30,10 +33,11 @@ from ablations.lock import LockStatus
 from ablations.questions import answer_questions, collapse_table
 from ablations.results import Results, TaskResults
 
-__all__ = ["ExpectedRun", "MissingResultsError", "analyse", "output_paths", "run", "write_outputs", "write_task"]
+__all__ = ["ExpectedRun", "MissingResultsError", "analyse", "run", "write_task"]
 
-FIGURES = ("gold_vs_kl.png", "learning_curves.png", "forest.png", "restraint.png")
-TASK_OUTPUTS = ("stats.json", "comparisons.csv", "runs.csv", *(f"figures/{f}" for f in FIGURES), "report.md")
+FIGURES = ("sequential.png", "gold_vs_kl.png", "learning_curves.png", "forest.png", "restraint.png")
+TASK_OUTPUTS = ("stats.json", "comparisons.csv", "runs.csv", *(f"figures/{f}" for f in FIGURES), "answer.md",
+                "report.md")  # fmt: skip
 DIAGNOSTICS_FIGURE = "figures/diagnostics.png"  # written only when some run of the task has gradient diagnostics
 
 
@@ -42,13 +46,6 @@ def task_outputs(tr: TaskResults) -> list[str]:
     has gradient diagnostics (it lies in figures/, which the analysis stage declares as one DVC out)."""
     extra = [DIAGNOSTICS_FIGURE] if len(tr.diagnostic_table) else []
     return [*TASK_OUTPUTS[:-1], *extra, TASK_OUTPUTS[-1]]
-
-
-def output_paths(tasks: Sequence[str]) -> list[str]:
-    """The files write_outputs() always writes, relative to the output folder: <task>/... per task, then the index
-    report.md and stats.json (the DVC outs and metrics of the analysis stage). A task with gradient diagnostics also
-    gets <task>/figures/diagnostics.png (task_outputs)."""
-    return [f"{t}/{f}" for t in tasks for f in TASK_OUTPUTS] + ["stats.json", "report.md"]
 
 
 def scope(runs: pd.DataFrame, task: str) -> str:
@@ -71,12 +68,17 @@ def _check(runs: pd.DataFrame, protocol: AnalysisParams) -> None:
         raise ValueError(f"no analysis.tasks entry for task(s) {sorted(unknown)} (has {sorted(protocol.tasks)})")
     for task in dict.fromkeys(runs.task):
         tp, r = protocol.tasks[task], runs[runs.task == task]
-        for m in tp.margins:
+        for m in tp.metrics:
             for col in (f"final_{m}", f"sft_{m}"):
                 if col not in r or r[col].isna().any():
-                    raise ValueError(f"task {task}: metric {m!r} has a margin but some summary.json lacks {col}")
+                    raise ValueError(f"task {task}: metric {m!r} is compared but some summary.json lacks {col}")
         if protocol.reference_arm not in set(r.arm):
             raise ValueError(f"task {task}: the reference arm {protocol.reference_arm} has no runs")
+
+
+def judged(protocol: AnalysisParams, task: str, calibrated: dict) -> AnalysisParams:
+    """``protocol`` with ``task``'s section replaced by its judged form (config.Judged: the calibrated margins)."""
+    return protocol.model_copy(update={"tasks": {**protocol.tasks, task: protocol.judged(task, calibrated["margins"])}})
 
 
 def analyse_task(
@@ -84,37 +86,36 @@ def analyse_task(
     evals: pd.DataFrame,
     task: str,
     protocol: AnalysisParams,
+    calibrated: dict,
+    order: Sequence[int],
     diagnostics: pd.DataFrame | None = None,
 ) -> TaskResults:
-    """Every question, the split-half check and the descriptive tables of one task; the gradient-diagnostic table
-    from ``diagnostics`` (load_diagnostics rows of this task's runs; None or empty: the task has none)."""
+    """The primary questions, the exploratory families and the descriptive tables of one task; the
+    gradient-diagnostic table from ``diagnostics`` (load_diagnostics rows of this task's runs; None or empty: the
+    task has none). ``protocol`` is judged (``judged``)."""
     tp = protocol.tasks[task]
-    res = answer_questions(runs, task, protocol)
-    full = A.answers(res, protocol, task)
-    agreement, stability, halves = A.split_half(runs, task, protocol, res, full)
-    answers = A.final_answers(full, stability).merge(
-        stability[["question", "metric", "half_a", "half_b"]], on=["question", "metric"]
-    )
+    runs = runs.assign(log_kl=np.log(runs.final_kl.where(runs.final_kl > 0)))
+    prim = P.analyse(runs, task, protocol, calibrated, list(order))
+    res = answer_questions(runs, task, protocol, tp)
     cells = D.cell_table(runs, task, protocol)
     return TaskResults(
         task=task,
         scope=scope(runs, task),
         runs=runs,
         evals=evals,
+        protocol=calibrated,
+        primary=prim["primary"],
+        budget=prim["budget"],
+        headline=prim["headline"],
         comparisons=res["comparisons"],
         restraint=res["restraint"],
         families=res["families"],
         steering=res["steering"],
-        tuning=res["tuning"],
         collapse=collapse_table(runs, tp, 1 - protocol.alpha),
         cells=cells,
-        factorial=D.factorial(runs, res, cells, protocol),
+        factorial=D.factorial(runs, cells, protocol),
         crossed=D.crossed_set(runs, protocol.reference_arm)[1],
         secondary=D.secondary(runs, protocol),
-        answers=answers,
-        agreement=agreement,
-        halves=halves,
-        headline=A.headline(answers),
         **_diagnostics(runs, diagnostics, protocol),
     )
 
@@ -131,24 +132,48 @@ def _diagnostics(runs: pd.DataFrame, diag: pd.DataFrame | None, protocol: Analys
 
 
 def analyse(
-    protocol: AnalysisParams, expected: Sequence[ExpectedRun], root: Path | str = ".", lock: LockStatus | None = None
+    protocol: AnalysisParams,
+    expected: Sequence[ExpectedRun],
+    root: Path | str = ".",
+    lock: LockStatus | None = None,
+    calibrated: dict | None = None,
+    order: dict | None = None,
 ) -> Results:
-    """Loads the expected runs under ``root`` and analyses each task they belong to (no files written). The grid
-    decides which tasks: all of them for one analysis stage, one task's runs for a per-task stage."""
+    """Loads the expected runs under ``root`` and analyses each task they belong to (no files written), each with
+    its calibrated protocol ``calibrated[task]`` and its evaluation instances in order ``order[task]``."""
     runs, evals = load_runs(expected, root)
     _check(runs, protocol)
     diag = load_diagnostics(runs, root)
     out = Results(protocol=protocol, lock=lock)
     for task in dict.fromkeys(runs.task):
         sel = runs.task == task
+        proto = judged(protocol, task, calibrated[task])
         out.tasks[task] = analyse_task(
             runs[sel].reset_index(drop=True),
             evals[evals.task == task].reset_index(drop=True),
             task,
-            protocol,
+            proto,
+            calibrated[task],
+            order[task],
             diag[diag.task == task].reset_index(drop=True),
         )
+        out.judged[task] = proto
+        out.tasks[task].amendments = amendments(lock, out.tasks[task])
     return out
+
+
+def amendments(lock: LockStatus | None, tr: TaskResults) -> list[dict]:
+    """One row per (amendment, primary question): the verdict in the report before the amendment (from git) and
+    now. Empty without a lock or amendments."""
+    if lock is None or not lock.available or not lock.amendments or not lock.before:
+        return []
+    extract = lambda doc: {q: r.get("verdict") for q, r in (doc.get("primary") or {}).items()}
+    now = {r["question"]: r["verdict"] for r in tr.primary}
+    return [
+        {"commit": r.commit, "date": r.date, "keys": ", ".join(r.keys), "question": r.question, "before": r.before,
+         "now": now.get(r.question) if r.question else None}
+        for r in lock.amendment_rows(extract, now)
+    ]  # fmt: skip
 
 
 def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
@@ -156,23 +181,15 @@ def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
     from ablations import plots  # matplotlib only when writing
 
     tr, d = res.tasks[task], Path(out_dir)
+    proto = res.judged.get(task, res.protocol)
     (d / "figures").mkdir(parents=True, exist_ok=True)
-    images = plots.all_figures(tr, res.protocol, d / "figures")
+    images = plots.all_figures(tr, proto, d / "figures")
     tr.comparisons.to_csv(d / "comparisons.csv", index=False)
     tr.runs.to_csv(d / "runs.csv", index=False)
     (d / "stats.json").write_text(json.dumps(report.task_stats(tr, res), indent=2) + "\n")
+    (d / "answer.md").write_text(report.answer_block(tr, proto))
     (d / "report.md").write_text(report.render_task(tr, res, {k: v.relative_to(d).as_posix() for k, v in images}))
     return [d / f for f in task_outputs(tr)]
-
-
-def write_outputs(res: Results, out_dir: Path | str) -> list[Path]:
-    """Writes every task into <task>/ (write_task), then the index report.md and stats.json into ``out_dir``.
-    Returns the paths in output_paths() order (plus each task's diagnostics figure, if any, in its place)."""
-    out = Path(out_dir)
-    written = [p for task in res.tasks for p in write_task(res, task, out / task)]
-    (out / "stats.json").write_text(json.dumps(report.index_stats(res), indent=2) + "\n")
-    (out / "report.md").write_text(report.render_index(res))
-    return [*written, out / "stats.json", out / "report.md"]
 
 
 def run(
@@ -181,13 +198,14 @@ def run(
     out_dir: Path | str,
     root: Path | str = ".",
     lock: LockStatus | None = None,
-    task: str | None = None,
+    *,
+    task: str,
+    calibrated: dict,
+    order: dict,
 ) -> list[Path]:
-    """analyse() then write the outputs: with ``task`` (a per-task stage; ``expected`` holds that task's runs) its
-    task_outputs() straight into ``out_dir``; without, write_outputs() (every task in a sub-folder, plus an index)."""
-    res = analyse(protocol, expected, root, lock)
-    if task is None:
-        return write_outputs(res, out_dir)
+    """analyse() then write ``task``'s task_outputs() straight into ``out_dir`` (``expected`` holds that task's
+    runs)."""
+    res = analyse(protocol, expected, root, lock, calibrated, order)
     if list(res.tasks) != [task]:
         raise ValueError(f"run(task={task!r}) needs exactly that task's runs; got runs of {list(res.tasks)}")
     return write_task(res, task, out_dir)

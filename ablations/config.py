@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -189,15 +190,48 @@ class MatchedParams(BaseModel):
     horizon: int = Field(gt=0, le=100_000_000, description="controller horizon (episodes)")
 
 
+ROLES = ("coef", "control", "tuned", "target")  # what the calibration stage fixes for a design cell (grid.design)
+
+
 class Grid(BaseModel):
-    """The arms (the same for every task), the PPO seeds within each task instance, and the matched-KL controller.
-    Cells: each task's instances x (no-KL baseline + arms x the task's coefs + arms x the task's kl_targets) x
-    seeds."""
+    """The arms (the same for every task), the PPO seeds within each task instance, the matched-KL controller, the
+    calibration cells and the evaluation design.
+
+    Calibration cells (each task's calibration instances): the no-KL baseline and every ``calibration_arms`` arm at
+    every ``<task>.calibration.coefs``. Evaluation cells (each task's ``instances``): the no-KL baseline, every
+    ``design`` entry ``<arm>-<role>`` (the arm at the value the calibration stage fixed for the role: ``coef`` the
+    reference arm's best coefficient, ``control`` the coefficient of the margin-sized positive control, ``tuned``
+    the arm's own best coefficient, ``target`` steered to the calibrated KL target), and, for exploration, every arm
+    at the task's ``coefs`` and ``kl_targets``. All x seeds."""
 
     model_config = STRICT
     arms: dict[str, Arm]
     seeds: list[Seed]
     matched: MatchedParams
+    calibration_arms: list[str] = Field(description="arms run at every calibration coefficient")
+    design: list[str] = Field(description="evaluation cells per instance and seed: '<arm>-<role>'")
+
+    @model_validator(mode="after")
+    def _design(self):
+        for a in self.calibration_arms:
+            if a not in self.arms:
+                raise ValueError(f"grid.calibration_arms: {a!r} is not an arm; allowed: {', '.join(self.arms)}")
+        _distinct("calibration arm", self.calibration_arms)
+        _distinct("design cell", self.design)
+        for entry in self.design:
+            arm, _, role = entry.rpartition("-")
+            if arm not in self.arms or role not in ROLES:
+                raise ValueError(
+                    f"grid.design: {entry!r} must be '<arm>-<role>' with an arm of grid.arms ({', '.join(self.arms)}) "
+                    f"and a role of {', '.join(ROLES)}"
+                )
+            if role == "tuned" and arm not in self.calibration_arms:
+                raise ValueError(f"grid.design: {entry!r} is tuned on calibration, so {arm} must be a calibration arm")
+        return self
+
+    def design_cells(self) -> list[tuple[str, str]]:
+        """(arm, role) of every design entry, in order."""
+        return [tuple(e.rpartition("-")[::2]) for e in self.design]
 
     @field_validator("arms")
     @classmethod
@@ -223,34 +257,72 @@ MetricName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 
 
 class TaskAnalysis(BaseModel):
-    """The protocol of one task (ablations/questions.py). Margins are in each metric's units; the comments in
-    params.yaml justify each against a stated scale."""
+    """The protocol of one task (ablations/questions.py, ablations/primary.py). The margins are not written here:
+    the calibration stage fixes them on the calibration instances (protocol/<task>.json), as a share of the no-KL
+    gain; ``Judged`` is this section with them filled in."""
 
     model_config = STRICT
-    margins: dict[MetricName, FiniteFloat] = Field(
-        description="TOST equivalence margin per compared metric (Q2-Q4); 'gold' is the primary metric"
-    )
+    metrics: list[MetricName] = Field(description="compared metrics; 'gold' is the primary metric")
     min_log_kl_reduction: FiniteFloat = Field(
-        gt=0.0, le=10.0, description="Q1: smallest meaningful reduction of log final KL against no KL"
+        gt=0.0, le=10.0, description="Q1: smallest meaningful change of log final KL (the Q1 margin)"
     )
     kl_tolerance: FiniteFloat = Field(
         gt=0.0, lt=1.0, description="Q3: a run hits its KL target when |final KL / target - 1| <= this"
     )
-    collapse_drop: FiniteFloat = Field(
-        ge=0.0, description="a run collapses when its final gold is below its SFT policy's gold by more than this"
-    )
 
-    @field_validator("margins")
+    @field_validator("metrics")
     @classmethod
-    def _margins(cls, m):
+    def _metrics(cls, m):
         if "gold" not in m:
-            raise ValueError(f"must give the primary metric 'gold' a margin (got {sorted(m)})")
-        bad = [k for k, v in m.items() if v <= 0]
-        if bad:
-            raise ValueError(f"every margin must be > 0 (got {bad[0]}: {m[bad[0]]})")
-        if "kl" in m:
+            raise ValueError(f"must list the primary metric 'gold' (got {m})")
+        if "kl" in m or "log_kl" in m:
             raise ValueError("'kl' is judged by Q1 (min_log_kl_reduction), not by an equivalence margin")
-        return m
+        return _distinct("metric", m)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A task's protocol with the calibrated margins filled in (what the analysis uses). ``collapse_drop``: a run
+    collapses when its final gold is below its SFT gold by more than the gold margin (a smaller drop is "no
+    difference" by the protocol's own margin)."""
+
+    metrics: tuple[str, ...]
+    margins: dict[str, float]
+    min_log_kl_reduction: float
+    kl_tolerance: float
+
+    @property
+    def collapse_drop(self) -> float:
+        return self.margins["gold"]
+
+
+class SequentialParams(BaseModel):
+    """Instances added in batches until each primary question is settled (ablations/sequential.py)."""
+
+    model_config = STRICT
+    batch_size: int = Field(ge=1, le=1_000, description="evaluation instances per batch (a look after each)")
+    cap: int = Field(ge=1, le=10_000, description="the most evaluation instances a task gets (a multiple of batch)")
+    rho: FiniteFloat = Field(gt=0.0, le=10.0, description="alpha spent by look j of J: alpha * (j/J)^rho")
+
+    @model_validator(mode="after")
+    def _multiple(self):
+        if self.cap % self.batch_size:
+            raise ValueError(f"cap ({self.cap}) must be a multiple of batch_size ({self.batch_size})")
+        return self
+
+
+PRIMARY_METRICS = ("gold", "log_kl")
+
+
+class Primary(BaseModel):
+    """One question's pre-registered primary comparison: ``arm`` minus ``other``, each at ``role`` (the cell the
+    calibration fixed for it), on ``metric`` (final gold, or log final exact KL for restraint)."""
+
+    model_config = STRICT
+    arm: str
+    other: str
+    role: Literal["coef", "tuned", "target"]
+    metric: Literal["gold", "log_kl"]
 
 
 class AnalysisParams(BaseModel):
@@ -262,7 +334,25 @@ class AnalysisParams(BaseModel):
     power: FiniteFloat = Field(gt=0.0, lt=1.0, description="for 'instances needed'")
     min_hit_rate: FiniteFloat = Field(gt=0.0, le=1.0, description="Q3: below it an arm is 'not steerable'")
     bimodality_alpha: FiniteFloat = Field(gt=0.0, lt=1.0, description="per-cell flag of two separated groups")
+    sequential: SequentialParams
+    primary: dict[Literal["Q1", "Q2", "Q3", "Q4"], Primary] = Field(description="one per question: the headline")
     tasks: dict[str, TaskAnalysis]
+
+    @field_validator("primary")
+    @classmethod
+    def _primary(cls, p):
+        if not p:
+            raise ValueError("must pre-register at least one primary comparison")
+        return p
+
+    def judged(self, task: str, margins: dict[str, float]) -> Judged:
+        """``task``'s protocol with the calibrated ``margins`` (protocol/<task>.json)."""
+        tp = self.tasks[task]
+        missing = [m for m in tp.metrics if m not in margins]
+        if missing:
+            raise ValueError(f"task {task}: the calibration gives no margin for {', '.join(missing)}")
+        return Judged(tuple(tp.metrics), {m: float(margins[m]) for m in tp.metrics}, tp.min_log_kl_reduction,
+                      tp.kl_tolerance)  # fmt: skip
 
     @field_validator("tasks")
     @classmethod
@@ -288,6 +378,48 @@ def _coefs_as_written(coefs):
     return coefs
 
 
+class TargetRule(BaseModel):
+    """The matched-KL target: ``fraction`` x the no-KL runs' exact KL ``at`` their gold peak or at the end (median
+    over the calibration instances)."""
+
+    model_config = STRICT
+    at: Literal["peak", "final"]
+    fraction: FiniteFloat = Field(gt=0.0, le=10.0)
+
+
+class CalibrationParams(BaseModel):
+    """What the calibration stage (ablations/calibration.py) fixes on the calibration instances, before any
+    evaluation cell runs: the margins (``margin_fraction`` x the no-KL gain in gold, the no-KL runs' ``gain`` -- peak
+    or final gold -- minus SFT gold), the KL target, each arm's best coefficient among ``coefs``, and the coefficient
+    of the margin-sized positive control."""
+
+    model_config = STRICT
+    instances: list[Seed] = Field(description="task seeds of the calibration instances (disjoint from instances)")
+    coefs: list[FiniteFloat] = Field(description="coefficients every calibration arm runs at (at least 3)")
+    margin_fraction: FiniteFloat = Field(gt=0.0, le=1.0, description="margin = this x the no-KL gold gain")
+    gain: Literal["peak", "final"] = Field(description="the no-KL gain: peak gold or final gold, minus SFT gold")
+    target: TargetRule
+
+    @field_validator("instances")
+    @classmethod
+    def _instances(cls, v):
+        return _distinct("calibration instance", v)
+
+    @field_validator("coefs", mode="before")
+    @classmethod
+    def _written(cls, v):
+        return _coefs_as_written(v)
+
+    @field_validator("coefs")
+    @classmethod
+    def _coefs(cls, coefs):
+        if len(coefs) < 3:
+            raise ValueError(f"must list at least 3 coefficients to choose from (got {coefs})")
+        if any(not 0 < c <= 1_000 for c in coefs):
+            raise ValueError(f"every coefficient must be in (0, 1000] (got {coefs})")
+        return _distinct("coefficient", coefs)
+
+
 class TaskSection(BaseModel):
     """What every task section has: its instances (each a task seed with its own data and SFT model), models, SFT,
     PPO values and the strengths of its KL arms (fixed coefficients, and KL targets for the matched cells).
@@ -298,8 +430,9 @@ class TaskSection(BaseModel):
     model: ModelParams
     sft: SFTParams
     ppo: PPODefaults
-    coefs: list[FiniteFloat] = Field(description="fixed cells: every arm at each of these coefficients")
-    kl_targets: list[FiniteFloat] = Field(description="matched-KL cells: nats per response, exact KL to the SFT model")
+    calibration: CalibrationParams
+    coefs: list[FiniteFloat] = Field(description="exploratory fixed cells: every arm at each of these coefficients")
+    kl_targets: list[FiniteFloat] = Field(description="exploratory matched-KL cells: nats per response")
 
     @field_validator("instances")
     @classmethod
@@ -314,8 +447,6 @@ class TaskSection(BaseModel):
     @field_validator("coefs")
     @classmethod
     def _coefs(cls, coefs):
-        if not coefs:
-            raise ValueError("must list at least one coefficient")
         bad = [c for c in coefs if not 0 < c <= 1_000]
         if bad:
             raise ValueError(
@@ -332,6 +463,17 @@ class TaskSection(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self):
+        if bool(self.instances) != bool(self.calibration.instances):
+            raise ValueError(
+                "instances and calibration.instances must both be empty (the task does not run) or both non-empty "
+                f"(got {len(self.instances)} and {len(self.calibration.instances)})"
+            )
+        both = sorted(set(self.instances) & set(self.calibration.instances))
+        if both:
+            raise ValueError(
+                f"calibration.instances and instances must be disjoint: nothing is judged on an instance it was "
+                f"tuned on (both have {both})"
+            )
         if self.sft.n_heldout >= self.task.n_demos:
             raise ValueError(
                 f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
@@ -422,10 +564,29 @@ class Params(BaseModel):
             raise ValueError(
                 f"analysis.tasks needs the protocol of every task that runs; missing: {', '.join(missing)}"
             )
+        a, g = self.analysis, self.grid
+        if a.reference_arm not in g.calibration_arms:
+            raise ValueError(f"grid.calibration_arms must include the reference arm {a.reference_arm!r}")
+        cells = set(g.design_cells())
+        for role in ("coef", "control"):
+            if (a.reference_arm, role) not in cells:
+                raise ValueError(f"grid.design must include '{a.reference_arm}-{role}' (the positive control)")
+        for q, pr in a.primary.items():
+            for arm in (pr.arm, pr.other):
+                role = "coef" if (pr.role == "tuned" and arm == a.reference_arm) else pr.role
+                if (arm, role) not in cells:
+                    raise ValueError(f"analysis.primary.{q}: needs the design cell '{arm}-{role}' in grid.design")
+        for name, section in self.tasks().items():
+            n, seq = len(section.instances), a.sequential
+            if n % seq.batch_size or n > seq.cap:
+                raise ValueError(
+                    f"{name}.instances: {n} instances must be whole batches of analysis.sequential.batch_size "
+                    f"({seq.batch_size}), at most the cap ({seq.cap})"
+                )
         m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
             for section in self.tasks().values():
-                for kl in [{"coef": c} for c in section.coefs] + [
+                for kl in [{"coef": c} for c in [*section.coefs, *section.calibration.coefs]] + [
                     {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
                 ]:
                     try:

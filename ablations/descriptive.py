@@ -22,7 +22,7 @@ import pandas as pd
 from ablations import stats as S
 from ablations.config import AnalysisParams
 from ablations.load import BASELINE
-from ablations.questions import arm_specs, tuned_values, unit_table, unit_values
+from ablations.questions import arm_specs, unit_table, unit_values
 
 FACTORS = ("placement", "estimator")
 
@@ -81,9 +81,9 @@ def _effects(y: dict[tuple[str, str], pd.Series], estimators: list[str]) -> dict
     }
 
 
-def factorial(runs: pd.DataFrame, res: dict, cells: pd.DataFrame, proto: AnalysisParams) -> pd.DataFrame:
-    """Sign-flip tests of the factorial effects on final gold at every coefficient (fixed runs), every KL target
-    (matched runs) and after cross-fitted tuning; bimodal crossed cells are named on each row."""
+def factorial(runs: pd.DataFrame, cells: pd.DataFrame, proto: AnalysisParams) -> pd.DataFrame:
+    """Sign-flip tests of the factorial effects on final gold at every coefficient (fixed runs) and every KL target
+    (matched runs) where the crossed set ran; bimodal crossed cells are named on each row."""
     grid, _ = crossed_set(runs, proto.reference_arm)
     if len(grid) < 2:
         return pd.DataFrame()
@@ -93,11 +93,8 @@ def factorial(runs: pd.DataFrame, res: dict, cells: pd.DataFrame, proto: Analysi
     levels = [("fixed", lv) for lv in sorted(runs[runs.kind == "fixed"].level.unique())]
     levels += [("matched", lv) for lv in sorted(runs[runs.kind == "matched"].level.unique())]
     out = []
-    for kind, lv in [*levels, ("tuned", None)]:
-        if kind == "tuned":
-            get = lambda arm: tuned_values(units, arm, "final_gold", res["chosen"].get(arm, {}))
-        else:
-            get = lambda arm, k=kind, v=lv: unit_values(units, k, arm, v, "final_gold")
+    for kind, lv in levels:
+        get = lambda arm, k=kind, v=lv: unit_values(units, k, arm, v, "final_gold")
         y = {(p, e): get(grid[e][p]) for e in est for p in ("reward", "loss")}
         if any(s.empty for s in y.values()):
             continue

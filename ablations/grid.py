@@ -1,27 +1,38 @@
 """The cells of the experiment named by params.yaml, their DVC stage names, and where each cell's results live.
 
-For every task with instances (params.yaml ``grammar``, ...), every instance i and PPO seed s:
+For every task with instances (params.yaml ``grammar``, ...), every PPO seed s, on its CALIBRATION instances c
+(``<task>.calibration.instances``):
 
-    <task>_baseline@<i>-<s>                     the no-KL arm ("none")
-    <task>_fixed@<i>-<arm>-<coef>-<s>           each arm at each of the task's fixed coefficients (<task>.coefs)
-    <task>_matched@<i>-<arm>-<target>-<s>       each arm steered by the adaptive controller to each KL target
+    <task>_calibration_baseline@<c>-<s>                 the no-KL arm
+    <task>_calibration@<c>-<arm>-<coef>-<s>             each calibration arm at each calibration coefficient
+
+then, after the stage ``<task>_calibrate`` has fixed the protocol (protocol/<task>.json), on its EVALUATION
+instances i (``<task>.instances``):
+
+    <task>_baseline@<i>-<s>                             the no-KL arm ("none")
+    <task>_design@<i>-<arm>-<role>-<s>                  each grid.design entry: the arm at its role's calibrated value
+    <task>_fixed@<i>-<arm>-<coef>-<s>                   exploratory: each arm at each of <task>.coefs
+    <task>_matched@<i>-<arm>-<target>-<s>               exploratory: each arm steered to each of <task>.kl_targets
 
 exactly as DVC names the matrix stages of dvc.yaml (``stage_name`` is the one function that makes them, the way
 DVC does; tests/ablations/test_grid.py checks it against DVC itself). A cell's outputs live in
-runs/<task>/<kind>/<matrix key>/.
+runs/<task>/<kind>/<matrix key>/. A design cell's KL config depends on the calibration (``resolve``); its stage name
+does not, so the grid is known before the calibration has run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ablations.config import Params
 from rlhf.config import KLConfig, no_kl
 
 RUNS_DIR = Path("runs")
+PROTOCOL_DIR = Path("protocol")
 BASELINE = "none"
-KINDS = ("baseline", "fixed", "matched")
+CALIBRATION_KINDS = ("calibration_baseline", "calibration")
+KINDS = ("baseline", "design", "fixed", "matched")
 
 
 def matrix_key(value) -> str:
@@ -39,17 +50,19 @@ def stage_name(group: str, *values) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    """One PPO run: a task instance, an arm and its strength (a fixed coef, or a KL target), a seed."""
+    """One PPO run: a task instance, an arm and its strength (a fixed coef, a KL target, or a design role whose
+    value the calibration fixes), a seed. ``kl`` is None for a design cell until ``resolve`` fills it in."""
 
     task: str
-    kind: str  # one of KINDS
+    kind: str  # one of CALIBRATION_KINDS + KINDS
     instance: int
     arm: str  # BASELINE for the no-KL arm
     seed: int
-    kl: KLConfig
-    coef: float | None = None  # fixed cells
-    kl_target: float | None = None  # matched cells
+    kl: KLConfig | None
+    coef: float | None = None  # fixed and calibration cells (design cells once resolved)
+    kl_target: float | None = None  # matched cells (target-role design cells once resolved)
     ppo: tuple[tuple[str, object], ...] = ()  # the task's ppo values this arm replaces (algorithm, group_size)
+    role: str | None = None  # design cells: coef | control | tuned | target
 
     @property
     def group(self) -> str:
@@ -58,8 +71,11 @@ class Cell:
     @property
     def values(self) -> tuple:
         """The matrix values of the stage, in dvc.yaml's order."""
-        strength = {"baseline": (), "fixed": (self.arm, self.coef), "matched": (self.arm, self.kl_target)}
-        return (self.instance, *strength[self.kind], self.seed)
+        if self.kind in ("baseline", "calibration_baseline"):
+            return (self.instance, self.seed)
+        if self.kind == "design":
+            return (self.instance, f"{self.arm}-{self.role}", self.seed)
+        return (self.instance, self.arm, self.kl_target if self.kind == "matched" else self.coef, self.seed)
 
     @property
     def stage(self) -> str:
@@ -70,15 +86,70 @@ class Cell:
         """runs/<task>/<kind>/<matrix key>; must match the outs of dvc.yaml."""
         return RUNS_DIR / self.task / self.kind / self.stage.split("@", 1)[1]
 
+    @property
+    def result_kind(self) -> str:
+        """The kind the analysis sees in summary.json: a design cell is a fixed cell (a coefficient) or, with role
+        target, a matched one; a calibration baseline is a baseline of the calibration."""
+        if self.kind == "design":
+            return "matched" if self.role == "target" else "fixed"
+        return self.kind
 
-def cells(params: Params) -> list[Cell]:
-    """Every cell of the current params, in a stable order: by task, instance, kind (baseline first), arm,
-    strength, seed."""
+    @property
+    def calibration(self) -> bool:
+        return self.kind in CALIBRATION_KINDS
+
+
+def protocol_path(task: str) -> Path:
+    """Where the calibration stage writes what it fixed for ``task`` (a DVC output, kept in git)."""
+    return PROTOCOL_DIR / f"{task}.json"
+
+
+def role_value(protocol: dict, arm: str, role: str) -> float:
+    """The calibrated value of a design role (protocol/<task>.json, ablations/calibration.py): the coefficient of
+    ``coef`` (the reference arm's best), ``control`` and ``tuned`` (``arm``'s own best), or the KL target."""
+    if role == "tuned":
+        return float(protocol["tuned"][arm])
+    return float(protocol[{"coef": "coef", "control": "control_coef", "target": "kl_target"}[role]])
+
+
+def resolve(cell: Cell, params: Params, protocol: dict) -> Cell:
+    """A design cell with its KL config, from the calibrated ``protocol``; any other cell unchanged."""
+    if cell.kind != "design":
+        return cell
+    spec, m, value = params.grid.arms[cell.arm], params.grid.matched, role_value(protocol, cell.arm, cell.role)
+    if cell.role == "target":
+        kl = spec.kl(m.init_coef, adaptive_target=value, horizon=m.horizon)
+        return replace(cell, kl=kl, kl_target=value)
+    return replace(cell, kl=spec.kl(value), coef=value)
+
+
+def calibration_cells(params: Params) -> list[Cell]:
+    """The cells of every task's calibration instances: the no-KL baseline and every calibration arm at every
+    calibration coefficient, x seeds."""
+    g, out = params.grid, []
+    for task, section in params.tasks().items():
+        cal = section.calibration
+        for i in cal.instances:
+            out += [Cell(task, "calibration_baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
+            for arm in g.calibration_arms:
+                spec = g.arms[arm]
+                ppo = tuple(spec.ppo_overrides().items())
+                for coef in cal.coefs:
+                    out += [Cell(task, "calibration", i, arm, s, spec.kl(coef), coef=coef, ppo=ppo) for s in g.seeds]
+    return out
+
+
+def evaluation_cells(params: Params) -> list[Cell]:
+    """Every evaluation cell, in a stable order: by task, instance, kind (baseline, design, fixed, matched), arm,
+    strength, seed. Design cells are unresolved (``resolve``)."""
     g = params.grid
     out = []
     for task, section in params.tasks().items():
         for i in section.instances:
             out += [Cell(task, "baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
+            for arm, role in g.design_cells():
+                ppo = tuple(g.arms[arm].ppo_overrides().items())
+                out += [Cell(task, "design", i, arm, s, None, ppo=ppo, role=role) for s in g.seeds]
             for arm, spec in g.arms.items():
                 ppo = tuple(spec.ppo_overrides().items())
                 for coef in section.coefs:
@@ -87,6 +158,11 @@ def cells(params: Params) -> list[Cell]:
                     kl = spec.kl(g.matched.init_coef, adaptive_target=target, horizon=g.matched.horizon)
                     out += [Cell(task, "matched", i, arm, s, kl, kl_target=target, ppo=ppo) for s in g.seeds]
     return out
+
+
+def cells(params: Params) -> list[Cell]:
+    """Every cell of the current params: the calibration cells, then the evaluation cells."""
+    return calibration_cells(params) + evaluation_cells(params)
 
 
 def find_cell(params: Params, stage: str) -> Cell:
@@ -99,15 +175,24 @@ def find_cell(params: Params, stage: str) -> Cell:
 
 def upstream_stages(params: Params) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
-    task) reward models."""
-    return [f"{task}_rm" if hasattr(section, "rm") else f"{task}_sft" for task, section in params.tasks().items()]
+    task) reward models of the calibration and the evaluation instances."""
+    last = lambda task, section: "rm" if hasattr(section, "rm") else "sft"
+    return [f"{t}_{p}{last(t, s)}" for t, s in params.tasks().items() for p in ("calibration_", "")]
 
 
-def upstream_chains(params: Params) -> list[list[str]]:
+def calibrate_stages(params: Params) -> list[str]:
+    """The stages that fix each task's protocol from its calibration cells (dvc.yaml ``<task>_calibrate``)."""
+    return [f"{task}_calibrate" for task in params.tasks()]
+
+
+def upstream_chains(params: Params, evaluation: bool = True) -> list[list[str]]:
     """The upstream stages of each task instance in the order they run (data, sft, and rm for a learned-reward
-    task), as DVC names them: every cell of the instance depends on its chain."""
+    task), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
+    instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
         kinds = ["data", "sft", "rm"] if hasattr(section, "rm") else ["data", "sft"]
-        chains += [[stage_name(f"{task}_{k}", i) for k in kinds] for i in section.instances]
+        sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
+        for prefix, instances in sets:
+            chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]
     return chains

@@ -3,8 +3,11 @@
 Layout (one directory per run, each with summary.json, evals.csv and history.csv):
 
     runs/<task>/baseline/<instance>-<seed>/               the no-KL arm (arm "none")
+    runs/<task>/design/<instance>-<arm>-<role>-<seed>/    a KL arm at a calibrated role (kind fixed, or matched)
     runs/<task>/fixed/<instance>-<arm>-<coef>-<seed>/     a KL arm at a fixed coefficient
     runs/<task>/matched/<instance>-<arm>-<target>-<seed>/ a KL arm steered by the adaptive controller to a KL target
+    runs/<task>/calibration_baseline/<instance>-<seed>/   the calibration instances' no-KL arm
+    runs/<task>/calibration/<instance>-<arm>-<coef>-<seed>/  a calibration arm at a calibration coefficient
 
 The caller (the grid) supplies the expected runs as ExpectedRun(stage, path); a stale directory that is not
 expected is never read. A missing, unreadable or mislabelled run raises MissingResultsError naming every such stage.
@@ -23,10 +26,10 @@ import numpy as np
 import pandas as pd
 
 BASELINE = "none"
-KINDS = ("baseline", "fixed", "matched")
+KINDS = ("baseline", "fixed", "matched", "calibration_baseline", "calibration")
 REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
-NOT_SPEC = {"stage", "task", "kind", "arm"}  # string fields of summary.json that are not the arm's spec
+NOT_SPEC = {"stage", "task", "kind", "arm", "role"}  # string fields of summary.json that are not the arm's spec
 
 
 class MissingResultsError(FileNotFoundError):
@@ -44,7 +47,7 @@ class ExpectedRun:
 def level_of(summary: dict) -> float | None:
     """The run's level: the coefficient (fixed), the KL target (matched), None for the baseline."""
     kind = summary["kind"]
-    if kind == "fixed":
+    if kind in ("fixed", "calibration"):
         return float(summary["coef"])
     if kind == "matched":
         return float(summary["kl_target"])
@@ -56,16 +59,17 @@ def _check_layout(path: Path, s: dict) -> str | None:
     if s["kind"] not in KINDS:
         return f"kind {s['kind']!r} is not one of {KINDS}"
     parts = path.name.split("-")
-    expect = 2 if s["kind"] == "baseline" else 4
+    expect = 2 if s["kind"] in ("baseline", "calibration_baseline") else 4
+    role = s.get("role")
     try:
         ok = (
-            path.parent.name == s["kind"]
+            path.parent.name == ("design" if role else s["kind"])
             and path.parent.parent.name == s["task"]
             and len(parts) == expect
             and int(parts[0]) == int(s["instance"])
             and int(parts[-1]) == int(s["seed"])
             and (s["arm"] == BASELINE if expect == 2 else parts[1] == s["arm"])
-            and (expect == 2 or math.isclose(float(parts[2]), level_of(s)))
+            and (expect == 2 or (parts[2] == role if role else math.isclose(float(parts[2]), level_of(s))))
         )
     except ValueError:
         ok = False

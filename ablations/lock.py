@@ -2,28 +2,48 @@
 
 From the git history of the repository (first-parent history of HEAD, so a merge counts once, when it lands):
 
-* the commits at which any watched params.yaml value changed (e.g. the ``analysis`` section and the design values it
-  judges: KL targets, coefficients), the newest one being the lock;
+* the commits at which any watched value changed, the newest one being the lock. What is watched is derived from the
+  pipeline itself, not hand-picked: :func:`watched_keys` lists every parameter the stages of dvc.yaml declare
+  (``params:``), so a change to anything that changes a result is a protocol change; extra files a stage depends on
+  (e.g. a protocol JSON) can be watched by content (``watched_files``);
 * for each result stage (the caller names them: the grid cells whose results the protocol judges), the commit from
   which dvc.lock has held its current outputs continuously, i.e. when the results now reported were recorded;
-* every protocol change made after the first of those results existed: an amendment, listed in the report.
+* every protocol change made after the first of those results existed: an amendment, listed in the report, together
+  with the judged results as they were before it (:func:`earlier_verdicts`), so an amendment never hides what the
+  protocol said before it.
+
+Watched entries (the ``watched`` argument of :func:`protocol_lock`, the output of :func:`watched_keys`):
+
+* ``"a.b"``: the dotted key ``a.b`` of params.yaml (``params_file``);
+* ``"other.yaml:a.b"``: the dotted key ``a.b`` of another YAML/JSON/TOML file (in a file of another format, the whole
+  file is compared);
+* ``"other.yaml"`` (a name ending in a parameter file suffix: .yaml, .yml, .json, .toml, .py) or ``"other.yaml:"``:
+  the whole file. YAML/JSON/TOML files are compared by parsed value (a comment or formatting change is not a change),
+  others by content.
 
 Git orders commits, not edits within one commit: a protocol change committed together with results cannot be shown
-to precede them, and is reported as such. Uncommitted changes to params.yaml or dvc.lock are reported too. Outside a
-git repository (or without git) the status says so and nothing fails.
+to precede them, and is reported as such. Uncommitted changes to the watched files or dvc.lock are reported too.
+Outside a git repository (or without git) the status says so and nothing fails.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
-from collections.abc import Callable, Collection, Sequence
+import tomllib
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import yaml
 
 UNREADABLE = "<unreadable>"
+PARAMS_FILE = "params.yaml"
+PARAM_FILE_SUFFIXES = (".yaml", ".yml", ".json", ".toml", ".py")  # what DVC accepts as a parameter file
+_TEMPLATE = re.compile(r"\$\{")
 
 
 @dataclass(frozen=True)
@@ -31,14 +51,29 @@ class Change:
     commit: str
     date: str
     subject: str
-    keys: tuple[str, ...]  # the watched keys whose values changed
+    keys: tuple[str, ...]  # the watched keys (or watched file names) whose values changed
+
+
+class AmendmentRow(NamedTuple):
+    """One row of the amendments table: the judged ``question``'s verdict ``before`` the amendment (in the report
+    committed just before it; None when that report had no such question or there was none) and ``after`` it (in
+    the ``current`` document the caller passed; None when not given or absent there)."""
+
+    commit: str
+    date: str
+    keys: tuple[str, ...]
+    question: str | None
+    before: Any
+    after: Any
 
 
 @dataclass(frozen=True)
 class LockStatus:
     """What git says about the protocol and the results. ``results_after_lock``: True when every current result was
     recorded in a commit after the lock commit (or is uncommitted), False when some was recorded before it or in the
-    same commit, None when unknown."""
+    same commit, None when unknown. ``before``: for each amendment, in order, the judged report (``report_path`` of
+    :func:`protocol_lock`) as committed just before it, None when there was none; empty when ``report_path`` was
+    not given. ``uncommitted_keys``: the watched keys/files whose working-tree value differs from HEAD."""
 
     available: bool
     reason: str = ""
@@ -51,6 +86,8 @@ class LockStatus:
     same_commit: bool = False
     protocol_uncommitted: bool = False
     amendments: tuple[Change, ...] = field(default_factory=tuple)
+    before: tuple[tuple[Change, dict | None], ...] = field(default_factory=tuple)
+    uncommitted_keys: tuple[str, ...] = field(default_factory=tuple)
 
     def sentences(self) -> list[str]:
         """The report's words for it."""
@@ -59,7 +96,8 @@ class LockStatus:
         c = lambda x: f"{x.commit[:10]} ({x.date[:10]}, “{x.subject}”)"
         out = [f"The protocol last changed at commit {c(self.lock)}." if self.lock else "No protocol commit found."]
         if self.protocol_uncommitted:
-            out.append("params.yaml has uncommitted changes to the protocol: this report judges an unlocked protocol.")
+            which = f" ({', '.join(self.uncommitted_keys)})" if self.uncommitted_keys else ""
+            out.append(f"The protocol has uncommitted changes{which}: this report judges an unlocked protocol.")
         if self.results_first is None and not self.results_uncommitted:
             out.append("No results of the judged stages are recorded in dvc.lock.")
         else:
@@ -87,18 +125,110 @@ class LockStatus:
                 + "; ".join(f"{c(a)} changed {', '.join(a.keys)}" for a in self.amendments)
                 + "."
             )
-        else:
-            out.append("No protocol change was made after results existed (no amendments).")
+        elif self.results_first is not None:  # a claim about the history only when committed results exist
+            if self.protocol_uncommitted:
+                out.append("No committed protocol change was made after results existed (no amendments yet).")
+            else:
+                out.append("No protocol change was made after results existed (no amendments).")
         return out
+
+    def amendment_rows(
+        self, extract: Callable[[dict], Mapping[str, Any]], current: dict | None = None
+    ) -> list[AmendmentRow]:
+        """One row per (amendment, question): ``extract`` maps a judged report (e.g. stats.json) to {question:
+        verdict}, ``current`` is the report now (its verdicts fill ``after``; without it ``after`` is None for the
+        caller to fill). Questions are those of the earlier report, then any new ones of ``current``; an amendment
+        with no earlier report and no ``current`` still gets one row (question None). Needs ``before``, i.e.
+        :func:`protocol_lock` called with ``report_path``; raises ValueError otherwise."""
+        if self.amendments and len(self.before) != len(self.amendments):
+            raise ValueError("amendment_rows needs the earlier reports: call protocol_lock with report_path")
+        now = dict(extract(current)) if current is not None else {}
+        rows = []
+        for change, doc in self.before:
+            then = dict(extract(doc)) if doc is not None else {}
+            questions = list(then) + [q for q in now if q not in then]
+            for q in questions or [None]:
+                rows.append(AmendmentRow(change.commit, change.date, change.keys, q, then.get(q), now.get(q)))
+        return rows
+
+
+# --- what is watched: the parameters the stages of dvc.yaml declare -------------------------------------------------
+
+
+def _fixed_prefix(key: str) -> str:
+    """The key cut back to its last fixed dotted prefix: ``grid.arms.${item.arm}`` -> ``grid.arms``,
+    ``a.b_${x}.c`` -> ``a``, ``${x}`` -> ``""`` (the whole file)."""
+    m = _TEMPLATE.search(key)
+    if m is None:
+        return key
+    return key[: m.start()].rpartition(".")[0]
+
+
+def _entry(file: str, key: str | None, params_file: str) -> str:
+    """A watched entry in the notation of the module docstring."""
+    if not key:
+        return file
+    return key if file == params_file else f"{file}:{key}"
+
+
+def _covers(a: str, b: str, params_file: str) -> bool:
+    """Whether watching ``a`` already watches ``b`` (``grid`` covers ``grid.arms``, ``x.yaml`` covers ``x.yaml:k``,
+    the whole params file covers its keys)."""
+    fa, ka = _spec(a, params_file)
+    fb, kb = _spec(b, params_file)
+    if fa != fb or ka == kb:
+        return False
+    return ka is None or (kb is not None and kb.startswith(ka + "."))
+
+
+def watched_keys(
+    dvc_yaml: Path | str, stage_prefixes: Sequence[str] | None = None, params_file: str = PARAMS_FILE
+) -> list[str]:
+    """Every parameter the stages of ``dvc_yaml`` declare in ``params:`` (optionally only the stages whose name
+    starts with one of ``stage_prefixes``, e.g. ``["grammar_"]``), as watched entries for :func:`protocol_lock`:
+    a string is a key of params.yaml; ``{params.yaml: [a, b]}`` gives ``a`` and ``b``; ``{other.yaml: [k]}`` gives
+    ``other.yaml:k``; ``{other.yaml: null}`` (no keys) the file ``other.yaml``. Templated parts (``${...}``) are cut
+    back to the last fixed dotted prefix (``grid.arms.${item.arm}`` -> ``grid.arms``; a key that starts templated
+    watches its whole file). Deduplicated, sorted, and without any entry another one covers (``grid`` covers
+    ``grid.arms``)."""
+    if isinstance(stage_prefixes, str):
+        stage_prefixes = [stage_prefixes]
+    doc = yaml.safe_load(Path(dvc_yaml).read_text()) or {}
+    stages = doc.get("stages") or {}
+    if not isinstance(stages, dict):
+        raise ValueError(f"{dvc_yaml}: 'stages' is not a mapping")
+    found: set[str] = set()
+    for name, stage in stages.items():
+        if stage_prefixes is not None and not any(str(name).startswith(p) for p in stage_prefixes):
+            continue
+        if isinstance(stage, dict) and isinstance(stage.get("do"), dict):  # foreach/do form
+            stage = stage["do"]
+        items = stage.get("params") if isinstance(stage, dict) else None
+        for item in items or []:
+            if isinstance(item, str):
+                found.add(_entry(params_file, _fixed_prefix(item), params_file))
+            elif isinstance(item, dict):
+                for file, keys in item.items():
+                    if keys is None or keys == []:
+                        found.add(_entry(str(file), None, params_file))
+                        continue
+                    for key in [keys] if isinstance(keys, str) else keys:
+                        found.add(_entry(str(file), _fixed_prefix(str(key)), params_file))
+            else:
+                raise ValueError(f"{dvc_yaml}: stage {name}: unreadable params entry {item!r}")
+    return sorted(k for k in found if not any(_covers(o, k, params_file) for o in found))
+
+
+# --- git ---------------------------------------------------------------------------------------------------------
 
 
 def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
 
 
-def _history(root: Path, path: str) -> list[Change]:
-    """First-parent commits touching ``path``, oldest first."""
-    out = _git(root, "log", "--first-parent", "--format=%H%x1f%cI%x1f%s", "--", path)
+def _history(root: Path, *paths: str) -> list[Change]:
+    """First-parent commits touching any of ``paths``, oldest first."""
+    out = _git(root, "log", "--first-parent", "--format=%H%x1f%cI%x1f%s", "--", *paths)
     rows = [line.split("\x1f") for line in out.splitlines() if line]
     return [Change(h, d, s, ()) for h, d, s in reversed(rows)]
 
@@ -112,11 +242,14 @@ def _load(text: str | None):
         return UNREADABLE
 
 
+def _show_bytes(root: Path, commit: str, path: str) -> bytes | None:
+    r = subprocess.run(["git", "-C", str(root), "show", f"{commit}:./{path}"], capture_output=True)
+    return r.stdout if r.returncode == 0 else None
+
+
 def _show(root: Path, commit: str, path: str):
-    try:
-        return _load(_git(root, "show", f"{commit}:./{path}"))
-    except subprocess.CalledProcessError:
-        return None
+    raw = _show_bytes(root, commit, path)
+    return _load(raw.decode("utf-8", "replace")) if raw is not None else None
 
 
 def _pick(doc, key: str):
@@ -128,22 +261,79 @@ def _pick(doc, key: str):
     return json.dumps(doc, sort_keys=True, default=str)
 
 
+def _spec(entry: str, params_file: str = PARAMS_FILE) -> tuple[str, str | None]:
+    """(file, dotted key or None for the whole file) of a watched entry."""
+    if ":" in entry:
+        file, _, key = entry.partition(":")
+        return file, key or None
+    if entry.endswith(PARAM_FILE_SUFFIXES):
+        return entry, None
+    return params_file, entry
+
+
+def _parse(file: str, raw: bytes | None):
+    """A file's content as a value to compare: parsed for YAML/JSON/TOML, else its hash; None when absent."""
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace")
+    try:
+        if file.endswith((".yaml", ".yml")):
+            return _load(text)
+        if file.endswith(".json"):
+            return json.loads(text)
+        if file.endswith(".toml"):
+            return tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError):
+        return UNREADABLE
+    return _Opaque(hashlib.sha256(raw).hexdigest())
+
+
+class _Opaque(str):
+    """The content hash of a file whose keys cannot be read (a key in it watches the whole file)."""
+
+
+def _value(doc, key: str | None):
+    """The watched value: the whole (parsed) file when ``key`` is None or the file is opaque, else the key's."""
+    if key is None or isinstance(doc, _Opaque):
+        return None if doc is None else json.dumps(doc, sort_keys=True, default=str)
+    return _pick(doc, key)
+
+
 def _outs(lock, stages: Callable[[str], bool]) -> dict[str, str]:
     """stage -> canonical JSON of its recorded outputs, for the selected stages of a dvc.lock document."""
     st = lock.get("stages", {}) if isinstance(lock, dict) else {}
     return {k: json.dumps(v.get("outs"), sort_keys=True) for k, v in st.items() if stages(k) and isinstance(v, dict)}
 
 
+def earlier_verdicts(root: Path | str, amendment: Change, path: str) -> dict | None:
+    """The JSON document at ``path`` (e.g. "reports/grammar/stats.json", relative to ``root``) as committed at the
+    amendment commit's first parent, i.e. the judged results as they stood just before the protocol changed; None
+    when it was absent there (or not a JSON object, or the commit has no parent)."""
+    raw = _show_bytes(Path(root), f"{amendment.commit}^", path)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def protocol_lock(
     root: Path | str,
     watched: Sequence[str],
     result_stages: Callable[[str], bool] | Collection[str],
-    params_file: str = "params.yaml",
+    params_file: str = PARAMS_FILE,
     lock_file: str = "dvc.lock",
+    watched_files: Sequence[str] = (),
+    report_path: str | None = None,
 ) -> LockStatus:
-    """The lock status of the repository at ``root``. ``watched``: dotted params.yaml keys of the protocol (e.g.
-    "analysis", "grid.kl_targets", "grid.coefs"); ``result_stages``: the dvc.lock stage names (or a predicate on
-    them) whose results the protocol judges."""
+    """The lock status of the repository at ``root``. ``watched``: the protocol's entries (module docstring; usually
+    :func:`watched_keys` of dvc.yaml, e.g. "analysis", "grid", "other.yaml:k"); ``watched_files``: further files
+    (e.g. a stage's protocol dependency "protocol/grammar.json") compared by content, a change reported under the
+    file's name; ``result_stages``: the dvc.lock stage names (or a predicate on them) whose results the protocol
+    judges; ``report_path``: the judged report (e.g. "reports/grammar/stats.json") to keep, for each amendment, as
+    it was before it (``LockStatus.before``)."""
     root = Path(root)
     keep = result_stages if callable(result_stages) else set(result_stages).__contains__
     try:
@@ -152,18 +342,28 @@ def protocol_lock(
         return LockStatus(False, "not a git repository with commits" if isinstance(e, subprocess.CalledProcessError)
                           else f"git is not available ({e})")  # fmt: skip
     order = {h: i for i, h in enumerate(reversed(_git(root, "rev-list", "--first-parent", "HEAD").split()))}
-    changes, prev = [], None
-    for ch in _history(root, params_file):
-        snap = {k: _pick(_show(root, ch.commit, params_file), k) for k in watched}
-        if prev is None:  # the file's first commit introduces the keys it has
-            diff = tuple(k for k in watched if snap[k] is not None)
-        else:
-            diff = tuple(k for k in watched if snap[k] != prev[k])
+    pairs: dict[tuple[str, str | None], str] = {}  # (file, key or None) -> the name a change is reported under
+    for name in watched:
+        pairs.setdefault(_spec(name, params_file), name)
+    for f in watched_files:
+        pairs.setdefault((f, None), f)
+    specs, shown = list(pairs), list(pairs.values())
+    files = list(dict.fromkeys(f for f, _ in specs))
+    touched = {f: {c.commit for c in _history(root, f)} for f in files}
+    docs: dict[str, Any] = {f: None for f in files}
+    changes: list[Change] = []
+    prev = [None] * len(specs)  # a file's first commit introduces the keys it has
+    for ch in _history(root, *files) if files else []:
+        for f in files:
+            if ch.commit in touched[f]:
+                docs[f] = _parse(f, _show_bytes(root, ch.commit, f))
+        snap = [_value(docs[f], k) for f, k in specs]
+        diff = tuple(shown[i] for i in range(len(specs)) if snap[i] != prev[i])
         if diff:
             changes.append(Change(ch.commit, ch.date, ch.subject, diff))
         prev = snap
-    work = (root / params_file).read_text() if (root / params_file).is_file() else None
-    uncommitted = prev is not None and {k: _pick(_load(work), k) for k in watched} != prev
+    work = {f: _parse(f, (root / f).read_bytes() if (root / f).is_file() else None) for f in files}
+    dirty = tuple(shown[i] for i, (f, k) in enumerate(specs) if _value(work[f], k) != prev[i])
     # when each current result was recorded: the oldest commit from which its outs stayed as they are now
     current = _outs(_load((root / lock_file).read_text()) if (root / lock_file).is_file() else None, keep)
     since: dict[str, Change] = {}
@@ -188,6 +388,7 @@ def protocol_lock(
         same = any(pos(c) == pos(lock) for c in rec)
         after = all(pos(c) > pos(lock) for c in rec)
     amend = tuple(c for c in changes if first and pos(c) > pos(first))
+    before = tuple((a, earlier_verdicts(root, a, report_path)) for a in amend) if report_path else ()
     return LockStatus(
         available=True,
         lock=lock,
@@ -197,6 +398,8 @@ def protocol_lock(
         results_missing=0 if callable(result_stages) else len(set(result_stages) - set(current)),
         results_after_lock=after,
         same_commit=bool(same),
-        protocol_uncommitted=uncommitted,
+        protocol_uncommitted=bool(dirty),
         amendments=amend,
+        before=before,
+        uncommitted_keys=dirty,
     )

@@ -24,11 +24,11 @@ VERDICT_COLOURS = {
 }
 
 
-def _panels(names: list[str], title: str, w: float = 4.0, h: float = 3.1):
+def _panels(names: list[str], title: str, w: float = 4.0, h: float = 3.1, sharey: bool = True):
     """A grid of panels (at most 4 per row) sharing axes; returns (figure, name -> axes)."""
     ncols = min(4, len(names))
     nrows = math.ceil(len(names) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), sharex=True, sharey=sharey, squeeze=False)
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(title)
@@ -223,10 +223,43 @@ def diagnostics(tr: TaskResults, level: float, path: Path) -> Path:
     return _save(fig, path)
 
 
+SEQ_COLOURS = {"material difference": "tab:red", "difference": "tab:orange", "equivalent": "tab:green",
+               "insensitive": "tab:purple", "inconclusive": "tab:gray"}  # fmt: skip
+
+
+def sequential(tr: TaskResults, path: Path) -> Path:
+    """Each primary question's path over the looks: the estimate with the exact (1 - a_j) CI (thick) and the
+    (1 - 2 a_j) CI (thin) at every look n_j, coloured by the look's verdict, the margin band and zero; the look that
+    settled the question is circled."""
+    names = [f"{r['question']}: {r['comparison']} ({r['metric']})" for r in tr.primary]
+    title = f"{tr.task}: primary questions, look by look"
+    fig, axes = _panels(names or ["no primary question"], title, 4.2, 3.3, sharey=False)
+    for r, name in zip(tr.primary, names):
+        ax = axes[name]
+        ax.axhspan(-r["margin"], r["margin"], color="tab:green", alpha=0.08, lw=0)
+        ax.axhline(0, color="k", lw=0.6)
+        for look in r["path"]:
+            c = SEQ_COLOURS.get(look["effective"], "k")
+            finite = lambda v: v if v is not None and np.isfinite(v) else np.nan
+            ax.vlines(look["n"], finite(look["lo90"]), finite(look["hi90"]), color=c, lw=1)
+            ax.vlines(look["n"], finite(look["lo"]), finite(look["hi"]), color=c, lw=3, alpha=0.6)
+            ax.plot(look["n"], look["estimate"], "o", color=c, ms=4)
+            if r["settled"] and look["j"] == r["looks_decided"]:
+                ax.plot(look["n"], look["estimate"], "o", mfc="none", mec="k", ms=11)
+        ax.set_title(f"{name}\n{r['verdict']} ({r['status']})", fontsize=8)
+        ax.set_xlabel("evaluation instances (n)")
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    for ax in axes.values():
+        ax.tick_params(labelleft=True)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def all_figures(tr: TaskResults, proto: AnalysisParams, folder: Path) -> list[tuple[str, Path]]:
-    """Writes the four figures into ``folder`` (and the gradient-diagnostics figure when the task has
-    diagnostics); returns (title, path) pairs in report order."""
+    """Writes the figures into ``folder`` (and the gradient-diagnostics figure when the task has diagnostics);
+    returns (title, path) pairs in report order."""
     out = [
+        ("Primary questions, look by look (exact CIs at each look's level)", sequential(tr, folder / "sequential.png")),
         ("Gold vs KL, every run", gold_vs_kl(tr, folder / "gold_vs_kl.png")),
         ("Learning curves", learning_curves(tr, folder / "learning_curves.png")),
         ("Comparisons with their TOST 90% CIs and margins (forest plot)", forest(tr, folder / "forest.png")),

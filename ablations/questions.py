@@ -1,4 +1,7 @@
-"""The four pre-registered questions of one task, each in its own multiplicity families (params.yaml ``analysis``).
+"""The exploratory families of one task: every comparison the evaluation runs allow, beyond the primary ones.
+
+The headline is carried by the pre-registered primary comparisons alone (ablations/primary.py); the families here
+are exploratory: Holm within each family, nothing across families, and no claim in the headline rests on them.
 
 Q1 Restraint (fixed-coefficient runs): does a variant keep the policy near the reference at all? Per instance the
    log ratio of final exact KL to the no-KL run's, one-sided against the minimum meaningful reduction
@@ -9,14 +12,11 @@ Q2 Matched coefficient: final metric of each arm against the reference arm and, 
 Q3 Matched KL by construction: the same comparisons among runs steered to the same KL target, every run counted
    (intention to treat: a run that misses its target keeps its final value); hit rates per arm with exact CIs, and an
    arm below ``min_hit_rate`` is "not steerable" at that target. One family per (metric, target).
-Q4 Tuned: each arm at its best coefficient by cross-fitting over instances (Chernozhukov et al. 2018, arXiv
-   1608.00060, sample splitting): the coefficient chosen by mean final gold on one half of the instances is
-   evaluated on the other half and vice versa, so no value is ever evaluated on the instances that chose it. One
-   family per metric.
 
-Every family carries a positive control, no KL against the reference arm (Q1: the reference arm restrains), tested
-at alpha/m (m = the family's size, the strictest level a member faces under Holm) and kept out of the family's Holm
-set. Values are instance means over nested PPO seeds; comparisons are paired by instance (ablations/stats.py).
+Every family carries the no-KL positive control (no KL against the reference arm; Q1: the reference arm
+restrains), tested at alpha/m (m = the family's size) and kept out of the family's Holm set. Values are instance
+means over nested PPO seeds; comparisons are paired by instance (ablations/stats.py). ``tp`` is the task's judged
+protocol (config.Judged: the calibrated margins filled in).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pandas as pd
 from scipy import stats
 
 from ablations import stats as S
-from ablations.config import AnalysisParams, TaskAnalysis
+from ablations.config import AnalysisParams, Judged
 from ablations.load import BASELINE, spec_of
 
 PC_ROLE = "positive control"
@@ -187,7 +187,7 @@ def family(
 # ---------------------------------------------------------------- Q1 restraint
 
 
-def restraint(runs: pd.DataFrame, units: dict, task: str, tp: TaskAnalysis, proto: AnalysisParams, permutation=True):
+def restraint(runs: pd.DataFrame, units: dict, task: str, tp: Judged, proto: AnalysisParams, permutation=True):
     """Q1 rows (one per arm and coefficient) and family records (one per coefficient). ``units`` (unit_table) must
     hold ``log_kl``, the log of each run's final exact KL (averaged over seeds: a geometric mean)."""
     none = unit_values(units, "baseline", BASELINE, None, "log_kl")
@@ -225,7 +225,7 @@ def restraint(runs: pd.DataFrame, units: dict, task: str, tp: TaskAnalysis, prot
     return rows, fams
 
 
-def collapse_table(runs: pd.DataFrame, tp: TaskAnalysis, level: float) -> pd.DataFrame:
+def collapse_table(runs: pd.DataFrame, tp: Judged, level: float) -> pd.DataFrame:
     """Per cell (kind, arm, level): runs whose final gold is below their SFT gold by more than ``collapse_drop``,
     with the exact (Clopper-Pearson) CI at ``level``."""
     collapsed = runs.final_gold < runs.sft_gold - tp.collapse_drop
@@ -237,10 +237,10 @@ def collapse_table(runs: pd.DataFrame, tp: TaskAnalysis, level: float) -> pd.Dat
     return pd.DataFrame(out)
 
 
-# ---------------------------------------------------------------- Q3 steering, Q4 cross-fitting
+# ---------------------------------------------------------------- Q3 steering
 
 
-def steering_table(runs: pd.DataFrame, tp: TaskAnalysis, proto: AnalysisParams) -> pd.DataFrame:
+def steering_table(runs: pd.DataFrame, tp: Judged, proto: AnalysisParams) -> pd.DataFrame:
     """Per matched cell (arm, target): runs that hit the target (final exact KL within ``kl_tolerance`` of it,
     relative), the hit rate with its exact CI, and whether the arm is steerable there (rate >= min_hit_rate).
     Misses are counted here and stay in the gold comparison."""
@@ -256,96 +256,52 @@ def steering_table(runs: pd.DataFrame, tp: TaskAnalysis, proto: AnalysisParams) 
     return pd.DataFrame(out)
 
 
-def cross_fit(table: pd.DataFrame, folds: tuple[list, list]) -> tuple[dict, list[dict]]:
-    """Cross-fitted tuning of one arm. ``table``: instance x coefficient of mean final gold. For each fold, the
-    coefficient with the highest mean over that fold's instances (ties: the smaller coefficient) is applied to the
-    OTHER fold's instances. Returns (instance -> chosen coefficient, selections)."""
-    chosen, selections = {}, []
-    for sel, ev in (folds, folds[::-1]):
-        sel = [i for i in sel if i in table.index]
-        ev = [i for i in ev if i in table.index]
-        if not sel or not ev:
-            continue
-        means = table.loc[sel].mean(axis=0).dropna()
-        if means.empty:
-            continue
-        best = float(means[means == means.max()].index.min())
-        selections.append(dict(selected_on=tuple(sel), coef=best, evaluated_on=tuple(ev)))
-        chosen.update(dict.fromkeys(ev, best))
-    return chosen, selections
-
-
-def tuned_values(units: dict, arm: str, column: str, chosen: dict) -> pd.Series:
-    """Per instance: ``column`` of ``arm`` at the coefficient cross-fitting chose for that instance."""
-    vals = {i: unit_values(units, "fixed", arm, c, column).get(i, math.nan) for i, c in chosen.items()}
-    return pd.Series(vals, dtype=float).sort_index()
-
-
 # ---------------------------------------------------------------- all four questions of one task
 
 
-def _getter(units: dict, kind: str, level: float | None, col: str, chosen: dict | None = None):
+def _getter(units: dict, kind: str, level: float | None, col: str):
     """arm -> its per-instance series of ``col``: the baseline's for "none", else the arm's runs of ``kind`` at
-    ``level``, or (``chosen`` given) at the coefficient cross-fitting chose for each instance."""
+    ``level``."""
 
     def get(arm: str) -> pd.Series:
         if arm == BASELINE:
             return unit_values(units, "baseline", BASELINE, None, col)
-        if chosen is not None:
-            return tuned_values(units, arm, col, chosen[arm])
         return unit_values(units, kind, arm, level, col)
 
     return get
 
 
-def answer_questions(runs: pd.DataFrame, task: str, proto: AnalysisParams, permutation: bool = True) -> dict:
-    """Q1-Q4 on ``runs`` (one task; any subset of its instances). Returns DataFrames: ``comparisons`` (Q2-Q4, with
-    the positive-control rows), ``restraint`` (Q1), ``families`` (one record per family, with its positive control
-    and exact-test floor), ``steering`` (Q3 hit rates), ``tuning`` (Q4 selections); and ``chosen`` (arm ->
-    instance -> tuned coefficient)."""
-    tp, ref = proto.tasks[task], proto.reference_arm
+def answer_questions(runs: pd.DataFrame, task: str, proto: AnalysisParams, tp: Judged, permutation=True) -> dict:
+    """The exploratory families Q1-Q3 on ``runs`` (one task's evaluation runs). Returns DataFrames: ``comparisons``
+    (Q2, Q3, with the positive-control rows), ``restraint`` (Q1), ``families`` (one record per family with at least
+    one comparison, with its positive control and exact-test floor), ``steering`` (Q3 hit rates)."""
+    ref = proto.reference_arm
     runs = runs.assign(log_kl=np.log(runs.final_kl.where(runs.final_kl > 0)))
     units = unit_table(runs)
     q1, fams = restraint(runs, units, task, tp, proto, permutation)
-    folds = S.halves(runs.instance.unique())
-    chosen, tuning = {}, []
-    for arm in arm_specs(runs, "fixed"):
-        sel = runs[(runs.kind == "fixed") & (runs.arm == arm)]
-        chosen[arm], sels = cross_fit(sel.groupby(["instance", "level"]).final_gold.mean().unstack(), folds)
-        tuning += [{"task": task, "arm": arm, **s} for s in sels]
     comps = []
-    for metric, margin in tp.margins.items():
-        col = f"final_{metric}"
+    for metric in tp.metrics:
+        col, margin = f"final_{metric}", tp.margins[metric]
         common = dict(task=task, metric=metric, margin=margin, proto=proto, permutation=permutation)
         for kind, q, word in (("fixed", "Q2", "coef"), ("matched", "Q3", "KL target")):
             for lvl in sorted(runs[runs.kind == kind].level.unique()):
                 at = runs[(runs.kind == kind) & np.isclose(runs.level.astype(float), lvl)]
+                pairs = comparison_pairs(arm_specs(at, kind), ref)
+                if not pairs:
+                    continue
                 rows, fam = family(
                     question=q,
                     level=float(lvl),
                     name=f"{q} {metric} @ {word} {lvl:g}",
-                    pairs=comparison_pairs(arm_specs(at, kind), ref),
+                    pairs=pairs,
                     values=_getter(units, kind, lvl, col),
                     **common,
                 )
                 comps += rows
                 fams.append(fam)
-        if chosen:
-            rows, fam = family(
-                question="Q4",
-                level=None,
-                name=f"Q4 {metric} tuned",
-                pairs=comparison_pairs(arm_specs(runs, "fixed"), ref),
-                values=_getter(units, "fixed", None, col, chosen),
-                **common,
-            )
-            comps += rows
-            fams.append(fam)
     return {
         "comparisons": pd.DataFrame(comps),
         "restraint": pd.DataFrame(q1),
         "families": pd.DataFrame(fams),
         "steering": steering_table(runs, tp, proto),
-        "tuning": pd.DataFrame(tuning),
-        "chosen": chosen,
     }

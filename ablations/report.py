@@ -1,6 +1,7 @@
-"""The words of the analysis: one verdict per question with its numbers and scope, report.md per task, the index,
-and stats.json. Formats results computed elsewhere (ablations/questions.py, answers.py, descriptive.py); imports
-only the result containers, never ablations.analysis. Tables are in ablations/tables.py."""
+"""The words of the analysis: the headline and the primary questions with their numbers and scope, report.md and
+answer.md (the README's answer block) per task, and stats.json. Formats results computed elsewhere
+(ablations/primary.py, questions.py, descriptive.py); imports only the result containers, never
+ablations.analysis. Tables are in ablations/tables.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import math
 import numpy as np
 import pandas as pd
 
-from ablations import answers as A
-from ablations import stats as S
 from ablations import tables as T
 from ablations.diagnostics import METRICS
 from ablations.results import Results, TaskResults
@@ -18,124 +17,98 @@ from ablations.results import Results, TaskResults
 _f, _ci = T.fmt, T.ci
 
 
-def _fam_comps(tr: TaskResults, q: str, m: str) -> pd.DataFrame:
-    c = tr.comparisons
-    return c[(c.question == q) & (c.metric == m) & c.in_family.astype(bool)] if len(c) else c
+HEADLINE_WORDS = {
+    "matters": "where the KL penalty goes matters: a primary question shows a difference beyond its margin",
+    "does not matter": "where the KL penalty goes does not matter within the calibrated margins: every primary "
+    "question is equivalent, each with its margin-sized control detected",
+    "not settled": "these runs do not settle whether it matters (no primary question shows a material difference, "
+    "and not every one is shown equivalent)",
+}
 
 
-def _pcs(tr: TaskResults, q: str, m: str) -> str:
-    """ "positive control detected in k of F families (no KL − ref: Δ a to b)"."""
-    f = tr.families[(tr.families.question == q) & (tr.families.metric == m)]
-    if f.empty:
-        return ""
-    what = "reference arm restrains" if q == "Q1" else "no KL − reference"
-    d = f.pc_diff.to_numpy(float)
-    span = (
-        f"{_f(np.nanmin(d), sign=True)}"
-        if len(d) == 1
-        else f"{_f(np.nanmin(d), sign=True)} to {_f(np.nanmax(d), sign=True)}"
+def _where(r: dict) -> str:
+    return f"{r['levels']}"
+
+
+def primary_sentence(r: dict) -> str:
+    """One primary question's result with its numbers."""
+    lvl = f"{1 - r['a_j']:.4%}" if r.get("a_j") else "–"
+    ctrl = {True: "detected", False: "NOT detected", None: "–"}[r["control_detected"]]
+    head = f"**{r['question']} ({r['comparison']}, {r['metric']}, {_where(r)}) — {r['verdict']}**"
+    if r["n"] == 0:
+        return f"{head}: no complete batch of evaluation instances yet ({r['n_available']} available)."
+    return (
+        f"{head} ({r['status']} at n = {r['n']}): Δ {_f(r['estimate'], sign=True)}, exact {lvl} CI "
+        f"{_ci(r['lo'], r['hi'])}, margin ±{r['margin']:.3g}; exact sign-flip p {T.pval(r['p_exact'])} "
+        f"(paired t beside it: p {T.pval(r['t_p'])}, CI {_ci(r['t_lo'], r['t_hi'])}); margin-sized control "
+        f"{ctrl} (Δ {_f(r['control_effect'], sign=True)}, calibrated {_f(r['control_calibrated'], sign=True)})."
     )
-    unit = "log KL ratio" if q == "Q1" else m
-    return f"positive control ({what}) detected in {int(f.pc_pass.sum())} of {len(f)} families ({unit} {span})"
-
-
-def _largest(c: pd.DataFrame) -> pd.Series | None:
-    return c.loc[c["diff"].abs().idxmax()] if len(c) and c["diff"].notna().any() else None
-
-
-def _row_numbers(r) -> str:
-    """ "loss_k1 − reward_k1 @ coef 0.1: Δ −2.115 (95% CI [..]; 90% CI [..])"."""
-    where = r.family.split(" @ ")[-1] if " @ " in r.family else "tuned"
-    cis = f"95% CI {_ci(r.ci95_lo, r.ci95_hi)}, 90% CI {_ci(r.ci90_lo, r.ci90_hi)}"
-    return f"{r.label} ({where}): Δ {_f(r['diff'], sign=True)} ({cis})"
-
-
-def _needed(c: pd.DataFrame) -> str:
-    """What more instances would do for the inconclusive comparisons."""
-    inc = c[c.verdict == S.INCONCLUSIVE]
-    if inc.empty:
-        return ""
-    out_of_reach = int(np.isinf(inc.n_needed_equiv).sum())
-    eq = inc.n_needed_equiv[np.isfinite(inc.n_needed_equiv)]
-    dd = inc.n_needed_diff[np.isfinite(inc.n_needed_diff)]
-    parts = []
-    if len(dd):
-        parts.append(f"for the inconclusive, showing the observed difference would take {T.span(dd)} instances")
-    if len(eq):
-        parts.append(f"showing equivalence {T.span(eq)}")
-    if out_of_reach:
-        parts.append(f"equivalence is out of reach for {out_of_reach} (observed difference near or beyond the margin)")
-    return "; ".join(parts)
-
-
-def question_sentence(tr: TaskResults, ans, proto) -> str:
-    """One question's verdict with its numbers."""
-    q, m, a = ans.question, ans.metric, ans.reported
-    head = f"**{q} {'' if q == 'Q1' else m + ' '}— {a}.**"
-    if a == A.NOT_RUN:
-        return f"{head} The design has no runs for this question."
-    if q == "Q1":
-        r = tr.restraint
-        bad = r[r.verdict == S.NO_RESTRAINT]
-        body = []
-        if len(bad):
-            worst = bad.loc[bad.log_ratio.idxmax()]
-            body.append(
-                f"{', '.join(dict.fromkeys(bad.arm))} do not restrain KL at {len(bad)} (arm, coef) cells: e.g. "
-                f"{worst.arm} at coef {worst.level:g} ends at {_f(worst.kl_arm, 1)} nats vs {_f(worst.kl_none, 1)} "
-                f"without KL (log ratio {_f(worst.log_ratio, sign=True)}, 90% CI {_ci(worst.ci90_lo, worst.ci90_hi)}; "
-                f"restraint needs below −{proto.tasks[tr.task].min_log_kl_reduction:.3g})"
-            )
-        n_ok = int((r.verdict == S.RESTRAINS).sum())
-        body.append(f"{n_ok} of {len(r)} cells restrain, {int((r.verdict == S.INCONCLUSIVE).sum())} inconclusive")
-        body.append(_pcs(tr, q, m))
-        body.append(T.collapse_words(tr.collapse))
-    else:
-        c = _fam_comps(tr, q, m)
-        mat = c[c.material.astype(bool)]
-        n_eq = int(((c.verdict == S.EQUIVALENT) | c.within_margin.astype(bool)).sum())
-        n_f = int(((tr.families.question == q) & (tr.families.metric == m)).sum())
-        body = [f"of {len(c)} comparisons in {n_f} famil{'y' if n_f == 1 else 'ies'}: {len(mat)} material "
-                f"differences (Holm-significant, not shown within ±{c.margin.iloc[0]:g}), {n_eq} equivalent or "
-                f"within the margin, {int((c.verdict == S.INCONCLUSIVE).sum())} inconclusive"]  # fmt: skip
-        top = _largest(mat) if len(mat) else _largest(c)
-        if top is not None:
-            body.append(("largest difference " if len(mat) else "largest gap ") + _row_numbers(top))
-        reach = np.nanmax(np.abs(c[["ci90_lo", "ci90_hi"]].to_numpy(float))) if len(c) else np.nan
-        if np.isfinite(reach) and mat.empty:
-            body.append(f"the 90% CIs reach ±{_f(reach)} at most")
-        if q == "Q3" and len(tr.steering):
-            st = tr.steering
-            bad = st[~st.steerable]
-            body.append(
-                "every arm steerable to every target"
-                if bad.empty
-                else "not steerable: "
-                + ", ".join(f"{r.arm} at {r.target:g} nats ({r.hits}/{r.runs} hit)" for r in bad.itertuples())
-            )
-        body.append(_pcs(tr, q, m))
-        need = _needed(c)
-        if need:
-            body.append(need)
-    runs = tr.runs
-    seeds = runs.groupby("instance").seed.nunique()
-    tag = f"{tr.task}, {runs.instance.nunique()} instances × {T.span(seeds)} seed{'s' if seeds.max() > 1 else ''}"
-    stab = f"split-half: {ans.status} (halves: {ans.half_a} / {ans.half_b})"
-    full = f" (full data: {ans.answer})" if a == A.UNSETTLED else ""
-    return f"{head}{full} " + "; ".join(x for x in body if x) + f". [{tag}; {stab}]"
 
 
 def answer_paragraph(tr: TaskResults, proto) -> list[str]:
-    """The headline and one line per question."""
-    what = {
-        "matters": "where the KL penalty goes matters",
-        "does not matter": "where the KL penalty goes does not matter within the pre-registered margins",
-        "not settled": "these runs do not settle whether it matters",
-    }[tr.headline]
-    L = [f"**Answer ({tr.headline}).** On {tr.scope}: {what}.", ""]
-    for ans in tr.answers.itertuples():
-        L.append(f"- {question_sentence(tr, ans, proto)}")
+    """The headline and one line per primary question."""
+    L = [f"**Answer ({tr.headline}).** On {tr.scope}: {HEADLINE_WORDS[tr.headline]}.", ""]
+    L += [f"- {primary_sentence(r)}" for r in tr.primary]
     return L
+
+
+def _as_calibrated(ok: bool) -> str:
+    return "direction as calibrated" if ok else "direction NOT as calibrated"
+
+
+def primary_table(tr: TaskResults) -> str:
+    """One row per primary question: comparison, where, margin, verdict, n, estimate, CIs, p, controls."""
+    rows = []
+    for r in tr.primary:
+        rows.append({
+            "question": r["question"], "comparison": r["comparison"], "metric": r["metric"], "cells": r["levels"],
+            "margin": f"±{r['margin']:.3g}", "verdict": r["verdict"], "status": r["status"],
+            "n": f"{r['n']} of {r['n_available']}", "level a_j": T.g3(r["a_j"]) if r.get("a_j") else "–",
+            "Δ": _f(r["estimate"], sign=True), "exact CI (1−a_j)": _ci(r["lo"], r["hi"]),
+            "exact CI (1−2a_j)": _ci(r["lo90"], r["hi90"]), "exact p": T.pval(r["p_exact"]),
+            "t p [CI]": f"{T.pval(r['t_p'])} {_ci(r['t_lo'], r['t_hi'])}",
+            "margin control": {True: "detected", False: "not detected", None: "–"}[r["control_detected"]],
+            "no-KL control": f"{_f(r['no_kl_effect'], sign=True)} ({_as_calibrated(r['no_kl_direction_ok'])})",
+        })  # fmt: skip
+    return T.md(rows)
+
+
+def budget_lines(tr: TaskResults) -> list[str]:
+    """The error budget of the headline: alpha split over the questions and spent over the looks."""
+    b = tr.budget
+    looks = ", ".join(
+        f"n = {n}: {T.g3(a)}{'' if ok else ' (unreachable: the exact test cannot go that low)'}"
+        for n, a, ok in zip(b["looks"], b["levels"], b["reachable"])
+    )
+    return [
+        f"Family-wise error of the whole headline ≤ α = {b['alpha']:g}: each of the {b['questions']} primary questions "
+        f"gets α/{b['questions']} = {T.g3(b['per_question'])} (Bonferroni), spent over its looks by a union bound "
+        f"(valid for any dependence between looks and any stopping): {looks}. Within a question at most one of its "
+        "two nulls (no difference; a difference of at least the margin) is true, so its difference and equivalence "
+        "tests share that level. A question is *settled* at the first look with a material difference (the "
+        "(1 − a_j) CI entirely beyond the margin) or an equivalence (the (1 − 2a_j) CI inside the margin, with the "
+        "margin-sized control detected at the same level); *difference* means the (1 − a_j) CI excludes 0 but not "
+        "the margin; *insensitive* an equivalence whose control was not detected; otherwise *inconclusive*. "
+        "*open*: not settled and below the cap (`make settle` adds the next batch).",
+    ]
+
+
+def protocol_lines(tr: TaskResults) -> list[str]:
+    """The frozen protocol: file, hash, commit, and what calibration fixed."""
+    p, fr = tr.protocol, tr.protocol.get("frozen", {})
+    commit = fr.get("commit") or "not committed yet"
+    tuned = ", ".join(f"{a} β {c:g}" for a, c in p["tuned"].items())
+    nk = p["no_kl"]
+    return [
+        f"**Protocol (frozen).** `{fr.get('path', '?')}` sha256 `{fr.get('sha256', '?')[:16]}`, committed at "
+        f"{commit}. Fixed by the `{tr.task}_calibrate` stage on calibration instances "
+        f"{', '.join(map(str, p['calibration_instances']))} only (never on an evaluation instance): no-KL gain "
+        f"{_f(nk['gain'])} ({p['rules']['gain']} gold {_f(nk[p['rules']['gain'] + '_gold'])} − SFT "
+        f"{_f(nk['sft_gold'])}) → margin ±{p['margins']['gold']:.3g} ({p['rules']['margin_fraction']:g} of it); "
+        f"KL target {p['kl_target']:.3g} nats; β (reference arm's best) {p['coef']:g}; tuned: {tuned}; "
+        f"margin-sized control: reference arm at β {p['coef']:g} vs {p['control_coef']:g} "
+        f"(calibrated Δ gold {_f(p['control_effect']['gold'], sign=True)}).",
+    ]
 
 
 # ---------------------------------------------------------------- report.md
@@ -184,10 +157,21 @@ def diagnostic_lines(tr: TaskResults, p) -> list[str]:
     return L
 
 
+def amendment_lines(tr: TaskResults) -> list[str]:
+    """Every amendment with the primary verdicts before it and now (ablations/lock.py keeps the earlier report)."""
+    if not tr.amendments:
+        return []
+    rows = [{"amendment": a["commit"][:10], "changed": a["keys"], "question": a["question"], "before": a["before"],
+             "now": a["now"]} for a in tr.amendments]  # fmt: skip
+    head = "**Amendments** (protocol changes after evaluation results existed; both verdicts shown):"
+    return [head, "", T.md(rows), ""]
+
+
 def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
-    """A task's report.md: the answer, scope, lock, one section per question, the factorial view, secondary
-    outcomes, stability, figures and the protocol."""
-    p, tp = res.protocol, res.protocol.tasks[tr.task]
+    """A task's report.md: the answer, scope, protocol and lock, the primary questions with the error budget, then
+    the exploratory families, descriptive tables, figures and methods."""
+    p = res.judged.get(tr.task, res.protocol)
+    tp = p.tasks[tr.task]
     L = [f"# Does it matter where the KL penalty goes? Task `{tr.task}`", ""]
     L += answer_paragraph(tr, p)
     L += [
@@ -195,18 +179,25 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         f"> **Scope.** Every claim here is about {tr.scope}, and about this protocol. Synthetic task, tiny models: not "
         "evidence about large language models until reproduced on one.",
         "",
+        *protocol_lines(tr),
+        "",
         "**Protocol lock.** " + " ".join(res.lock.sentences() if res.lock else ["not checked (no git information)."]),
         "",
-        "## The four questions",
+        *amendment_lines(tr),
+        "## Primary questions (confirmatory: these alone carry the answer)",
         "",
-        T.answers_table(tr),
+        primary_table(tr),
         "",
-        "Positive controls and exact-test floors per family (a positive control passes at α/m, the strictest level a "
-        "member of the family faces under Holm; the exact sign-flip test cannot go below its floor):",
+        *budget_lines(tr),
+        "",
+        "## Exploratory families (not confirmatory: Holm within each family only)",
+        "",
+        "Every other comparison the evaluation runs allow. No claim of the answer above rests on them. Positive "
+        "controls and exact-test floors per family (the no-KL control must pass at α/m):",
         "",
         T.families_table(tr.families, p.alpha),
         "",
-        "## Q1 Restraint",
+        "### Q1 Restraint",
         "",
         f"Per instance, log(final exact KL / no-KL final exact KL); *restrains* when the mean is shown below "
         f"−{tp.min_log_kl_reduction:.3g} (the arm at least {1 - math.exp(-tp.min_log_kl_reduction):.0%} below no "
@@ -215,14 +206,14 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         "",
         T.restraint_table(tr.restraint),
         "",
-        f"Collapse: final gold more than {tp.collapse_drop:g} below the run's own SFT gold (per run; exact "
-        f"Clopper–Pearson 95% CI; runs of one instance are not independent when it has several seeds).",
+        f"Collapse: final gold more than {tp.collapse_drop:.3g} (the gold margin) below the run's own SFT gold (per "
+        "run; exact Clopper–Pearson 95% CI; runs of one instance are not independent when it has several seeds).",
         "",
         T.collapse_table(tr.collapse, tr.cells),
         "",
     ]
-    for q, title in (("Q2", "Q2 Matched coefficient"), ("Q3", "Q3 Matched KL, by construction"), ("Q4", "Q4 Tuned")):
-        L += [f"## {title}", ""]
+    for q, title in (("Q2", "Q2 Matched coefficient"), ("Q3", "Q3 Matched KL, by construction")):
+        L += [f"### {title}", ""]
         if q == "Q3":
             L += [
                 f"Hit: final exact KL within ±{tp.kl_tolerance:.0%} of the target. A miss is a failure, counted "
@@ -231,51 +222,35 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
                 "",
                 T.steering_table(tr.steering),
                 "",
-                T.target_overlap(list(tr.steering.target.unique()) if len(tr.steering) else [], tp.kl_tolerance),
-                "",
             ]
-        if q == "Q4":
-            L += [
-                "Cross-fitting: the coefficient with the best mean final gold on one half of the instances is "
-                "evaluated on the other half, and vice versa; no value is evaluated on the instances that chose it.",
-                "",
-                T.tuning_table(tr.tuning),
-                "",
-            ]
-        for m in tp.margins:
-            c = tr.comparisons[(tr.comparisons.question == q) & (tr.comparisons.metric == m)]
+        comps = tr.comparisons
+        for m in tp.metrics:
+            c = comps[(comps.question == q) & (comps.metric == m)] if len(comps) else comps
             if len(c):
-                L += [f"**{m}** (margin ±{tp.margins[m]:g})", "", T.comparison_table(c), ""]
-    L += ["## Factorial view: placement × estimator (final gold)", "", f"Crossed set: {tr.crossed}.", ""]
+                L += [f"**{m}** (margin ±{tp.margins[m]:.3g})", "", T.comparison_table(c), ""]
+    L += ["### Factorial view: placement × estimator (final gold)", "", f"Crossed set: {tr.crossed}.", ""]
     L += [T.factorial_table(tr.factorial), ""] if len(tr.factorial) else []
-    L += ["## Secondary outcomes: response length and empty responses", "", *T.secondary_lines(tr.secondary, p), ""]
-    L += ["## Gradient diagnostics: each arm's KL gradient against the true one", "", *diagnostic_lines(tr, p), ""]
-    ag = tr.agreement
-    L += [
-        "## Stability (split-half)",
-        "",
-        f"Instances {', '.join(map(str, tr.halves[0]))} vs {', '.join(map(str, tr.halves[1]))}, every question "
-        f"answered on each half with the same protocol: {int(ag.agree.sum())} of {len(ag)} verdicts agree between "
-        f"the halves, {int(ag.conflict.sum())} conflict (definite and different). An answer whose halves "
-        "contradict each other or the full data is reported as *unsettled*.",
-        "",
-        T.stability_table(tr.answers),
-        "",
-        "## Figures",
-        "",
-    ]
+    L += ["### Secondary outcomes: response length and empty responses", "", *T.secondary_lines(tr.secondary, p), ""]
+    L += ["### Gradient diagnostics: each arm's KL gradient against the true one", "", *diagnostic_lines(tr, p), ""]
+    L += ["## Figures", ""]
     for title, name in images.items():
         L += [f"### {title}", "", f"![{title}]({name})", ""]
     L += T.methods(tr, p)
     return "\n".join(L) + "\n"
 
 
-def render_index(res: Results) -> str:
-    """reports/report.md: one headline per task, with links to the task reports."""
-    L = ["# Does it matter where the KL penalty goes? PPO-based RLHF and RLVR ablations", ""]
-    for task, tr in res.tasks.items():
-        L += [f"## [{task}]({task}/report.md)", "", *answer_paragraph(tr, res.protocol), ""]
-    L += ["**Protocol lock.** " + " ".join(res.lock.sentences() if res.lock else ["not checked."]), ""]
+def answer_block(tr: TaskResults, proto) -> str:
+    """reports/<task>/answer.md: the task's part of the README's answer (pipelines/readme.py splices it in)."""
+    p = tr.protocol
+    L = [f"#### Task `{tr.task}`: {tr.headline}", "", f"{HEADLINE_WORDS[tr.headline].capitalize()}.", ""]
+    L += [f"Scope: {tr.scope}.", "", primary_table(tr), ""]
+    L += [
+        f"Calibrated on instances {', '.join(map(str, p['calibration_instances']))}: margin "
+        f"±{p['margins']['gold']:.3g} gold, KL target {p['kl_target']:.3g} nats, β {p['coef']:g}; α "
+        f"{tr.budget['alpha']:g} over {tr.budget['questions']} primary questions. Full report: "
+        f"[reports/{tr.task}/report.md](reports/{tr.task}/report.md).",
+        "",
+    ]
     return "\n".join(L)
 
 
@@ -296,8 +271,9 @@ def _clean(x):
 
 
 def task_stats(tr: TaskResults, res: Results) -> dict:
-    """stats.json of a task (DVC metrics): headline, scope, the answers, positive controls, collapse and hit rates,
-    split-half agreement, and every comparison's difference."""
+    """stats.json of a task (DVC metrics): headline, scope, the primary questions (with their paths), the error
+    budget, the protocol's record, exploratory positive controls, collapse and hit rates, every exploratory
+    difference."""
     c, f = tr.comparisons, tr.families
     lvl = lambda r: "" if r.level is None or pd.isna(r.level) else f"@{r.level:g}"
     return _clean(
@@ -305,18 +281,13 @@ def task_stats(tr: TaskResults, res: Results) -> dict:
             "headline": tr.headline,
             "n_instances": int(tr.runs.instance.nunique()),
             "n_runs": len(tr.runs),
-            "answers": {
-                f"{r.question}/{r.metric}": {"reported": r.reported, "full": r.answer, "split_half": r.status}
-                for r in tr.answers.itertuples()
-            },
+            "primary": {r["question"]: r for r in tr.primary},
+            "budget": tr.budget,
+            "protocol": tr.protocol.get("frozen", {}),
+            "amendments": tr.amendments,
             "positive_controls": {r.family: bool(r.pc_pass) for r in f.itertuples()},
             "collapse_rate": {f"{r.arm}/{r.kind}{lvl(r)}": r.rate for r in tr.collapse.itertuples()},
             "hit_rate": {f"{r.arm}@{r.target:g}": r.rate for r in tr.steering.itertuples()},
-            "split_half": {
-                "agree": int(tr.agreement.agree.sum()),
-                "conflict": int(tr.agreement.conflict.sum()),
-                "verdicts": len(tr.agreement),
-            },
             "diff": {f"{r.family}/{r.label}": r.diff for r in c.itertuples()},
             "gradient_diagnostics": diagnostic_stats(tr),
         }
@@ -336,14 +307,3 @@ def diagnostic_stats(tr: TaskResults) -> dict:
     }  # fmt: skip
     cov = {k: v for k, v in tr.diagnostic_coverage.items() if k != "cells"}
     return {"runs_with": 0, **cov, "rows": rows}
-
-
-def index_stats(res: Results) -> dict:
-    """The top-level stats.json: each task's headline and answers."""
-    return _clean(
-        {
-            t: {"headline": tr.headline, **{f"{r.question}/{r.metric}": r.reported for r in tr.answers.itertuples()}}
-            for t, tr in res.tasks.items()
-        }
-        | {"protocol_lock": res.lock.sentences() if res.lock else None}
-    )

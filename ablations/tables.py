@@ -63,17 +63,6 @@ def collapse_words(collapse: pd.DataFrame) -> str:
     )
 
 
-def answers_table(tr) -> str:
-    fam = tr.families
-    rows = []
-    for a in tr.answers.itertuples():
-        f = fam[(fam.question == a.question) & (fam.metric == a.metric)]
-        rows.append({"question": a.question, "metric": a.metric, "reported answer": a.reported,
-                     "full data": a.answer, "half A / half B": f"{a.half_a} / {a.half_b}", "split-half": a.status,
-                     "positive controls passed": f"{int(f.pc_pass.sum())}/{len(f)}"})  # fmt: skip
-    return md(rows)
-
-
 def families_table(f: pd.DataFrame, alpha: float) -> str:
     rows = [
         {"family": r.family, "m": str(r.m), "n": str(r.n),
@@ -117,15 +106,6 @@ def steering_table(st: pd.DataFrame) -> str:
          "steerable": "yes" if r.steerable else "**no**",
          "final KL median [min, max]": f"{fmt(r.kl_median, 2)} [{fmt(r.kl_min, 2)}, {fmt(r.kl_max, 2)}]"}
         for r in st.itertuples()
-    ]  # fmt: skip
-    return md(rows)
-
-
-def tuning_table(t: pd.DataFrame) -> str:
-    rows = [
-        {"arm": r.arm, "chosen on instances": ", ".join(map(str, r.selected_on)), "coef": f"{r.coef:g}",
-         "evaluated on instances": ", ".join(map(str, r.evaluated_on))}
-        for r in t.itertuples()
     ]  # fmt: skip
     return md(rows)
 
@@ -185,11 +165,6 @@ def secondary_lines(sec: pd.DataFrame, proto: AnalysisParams) -> list[str]:
     return out
 
 
-def stability_table(ans: pd.DataFrame) -> str:
-    return md(ans[["question", "metric", "answer", "half_a", "half_b", "status", "reported"]]
-              .rename(columns={"answer": "full data"}))  # fmt: skip
-
-
 def scale_words(runs: pd.DataFrame, margin: float, reference: str) -> str:
     """The gold margin against the scales it is meant to be a fraction of, as observed in these runs."""
     base = runs[runs.kind == "baseline"]
@@ -216,33 +191,37 @@ def target_overlap(targets: list[float], tol: float) -> str:
 
 def methods(tr, p: AnalysisParams) -> list[str]:
     tp = p.tasks[tr.task]
+    seq = p.sequential
     return [
-        "## Methods (pre-registered in params.yaml `analysis`)",
+        "## Methods (pre-registered in params.yaml `analysis`; margins and coefficients calibrated)",
         "",
         "- Unit: the task instance (its own data, SFT policy and reward); PPO seeds nested in an instance are "
         "averaged first. Arms share instances, so every test is paired by instance.",
-        f"- Differences: paired t-test, two-sided, Holm within each family at α = {p.alpha:g}; 95% CI beside it. "
-        f"Equivalence: TOST against the metric's margin ({', '.join(f'{k} ±{v:g}' for k, v in tp.margins.items())}),"
-        f" Holm within the family; its matching 90% CI is printed beside every verdict (comparisons.csv also holds "
-        f"the (1 − 2α/m) CI, which inside ±margin shows equivalence at the strictest Holm step).",
-        "- Verdict: *difference* (Holm p < α; *within margin* if TOST also passes), else *equivalent*, else "
-        "*inconclusive* with the instances a t-test (or TOST) at α/m would need for power "
-        f"{p.power:g} when the true difference is the OBSERVED one with the observed SD; equivalence is out of reach "
-        "when that difference is at or beyond the margin.",
-        "- Families: Q1 one per coefficient; Q2 one per (metric, coefficient); Q3 one per (metric, KL target); Q4 "
-        "one per metric. Members: each arm against the reference arm and, within each estimator with both, loss "
-        "against reward placement. The positive control (no KL against the reference arm; Q1: the reference arm "
-        "restrains) is outside the family and must pass at α/m. Q3 also *matters* when an arm is not steerable to "
-        "a target the reference arm is steered to; a miss keeps its final values in the comparison.",
-        "- Exact sign-flip tests are shown as a cross-check; with n instances their floor is 2/2^n (1/2^n one-sided)"
-        " and a family where that floor is at least α/m cannot reach significance with them.",
+        "- Calibration: margins, the KL target, each arm's best coefficient and the margin-sized control were fixed "
+        "by the calibration stage on calibration instances disjoint from the evaluation instances "
+        "(ablations/calibration.py), before any evaluation cell ran (each evaluation cell depends on the protocol "
+        "file in DVC's graph).",
+        f"- Primary questions: exact paired sign-flip tests and their inverted CIs (Hartigan 1969), evaluation "
+        f"instances added in batches of {seq.batch_size} up to {seq.cap}, α/K per question spent over the looks "
+        f"(power family ρ = {seq.rho:g}); t-tests shown beside, never deciding.",
+        f"- Exploratory families: paired t-test, two-sided, Holm within each family at α = {p.alpha:g}; 95% CI beside "
+        f"it. Equivalence: TOST against the metric's calibrated margin "
+        f"({', '.join(f'{k} ±{v:.3g}' for k, v in tp.margins.items())}), Holm within the family; its 90% CI is "
+        "printed beside every verdict. Verdict: *difference* (Holm p < α; *within margin* if TOST also passes), "
+        "else *equivalent*, else *inconclusive* with the instances a t-test (or TOST) at α/m would need for power "
+        f"{p.power:g} when the true difference is the OBSERVED one with the observed SD.",
+        "- Families: Q1 one per coefficient; Q2 one per (metric, coefficient); Q3 one per (metric, KL target). "
+        "Members: each arm against the reference arm and, within each estimator with both, loss against reward "
+        "placement. The no-KL positive control (no KL against the reference arm; Q1: the reference arm restrains) "
+        "is outside the family and must pass at α/m.",
+        "- Exact sign-flip tests are shown as a cross-check; with n instances their floor is 2/2^n (1/2^n one-sided).",
         "- Bimodality: a cell is flagged when it mixes collapsed and non-collapsed runs, or when the "
         f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. "
         "Factorial effects: studentized sign-flip tests of within-instance contrasts.",
-        "- Stability: instances dealt alternately into two halves; every question answered on each half.",
         f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; minimum log KL "
-        f"reduction {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
-        f"{p.min_hit_rate:g}; collapse drop {tp.collapse_drop:g}; bimodality α {p.bimodality_alpha:g}.",
+        f"change {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
+        f"{p.min_hit_rate:g}; collapse drop {tp.collapse_drop:.3g} (the gold margin); bimodality α "
+        f"{p.bimodality_alpha:g}.",
         f"- {scale_words(tr.runs, tp.margins['gold'], p.reference_arm)}",
         "",
     ]

@@ -9,48 +9,81 @@ complete, so an interrupted run leaves the previous report (or none), never half
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
-from ablations.grid import cells
+from ablations.grid import evaluation_cells, protocol_path
 from ablations.load import ExpectedRun
-from ablations.lock import protocol_lock
+from ablations.lock import protocol_lock, watched_keys
 from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
 
 
-def protocol_keys(task: str) -> list[str]:
-    """The params.yaml keys of the pre-registered protocol the lock watches: the analysis section and the design
-    values it judges (coefficients, KL targets, and the controller that steers the matched-KL cells)."""
-    return ["analysis", f"{task}.coefs", f"{task}.kl_targets", "grid.matched"]
+def frozen(root: Path, path: Path) -> dict:
+    """The record of a protocol file: its path, sha256, and the commit from which git has held its current
+    content (first-parent history; None when uncommitted or outside git)."""
+    data = (root / path).read_bytes()
+    rec = {"path": path.as_posix(), "sha256": hashlib.sha256(data).hexdigest(), "commit": None}
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, check=True).stdout
+    try:
+        commits = git("log", "--first-parent", "--format=%H", "--", path.as_posix()).decode().split()
+        for h in commits:  # newest first: walk back while the content is unchanged
+            if git("show", f"{h}:{path.as_posix()}") != data:
+                break
+            rec["commit"] = h
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return rec
 
 
 def main(
     task: str, params_file: Path | str = PARAMS_FILE, out_dir: Path | str | None = None, root: Path | str = "."
 ) -> list[Path]:
-    """Runs the analysis of ``task``'s runs under ``root`` and moves its outputs into ``out_dir`` (default
-    reports/<task>); returns their paths."""
+    """Runs the analysis of ``task``'s evaluation runs under ``root`` and moves its outputs into ``out_dir``
+    (default reports/<task>); returns their paths."""
     params = load_params(params_file)
+    root = Path(root)
     out = Path(out_dir) if out_dir is not None else REPORTS_DIR / task
     out.parent.mkdir(parents=True, exist_ok=True)
+    path = protocol_path(task)
+    if not (root / path).is_file():
+        raise analysis.MissingResultsError(f"{path} not found: the calibration stage {task}_calibrate has not run")
+    calibrated = {**json.loads((root / path).read_text()), "frozen": frozen(root, path)}
     config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
     with tracking.stage_run(f"{task}_analysis", params.mlflow.experiment, config, tags={"task": task}) as (
         client,
         run_id,
     ):
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-tmp-") as tmp:
-            task_cells = [c for c in cells(params) if c.task == task]
+            task_cells = [c for c in evaluation_cells(params) if c.task == task]
             expected = [ExpectedRun(c.stage, c.out_dir) for c in task_cells]
-            # the KL targets are chosen from the no-KL runs, so only the KL arms' results must postdate the protocol
-            judged = {c.stage for c in task_cells if c.kind != "baseline"}
-            lock = protocol_lock(root, protocol_keys(task), judged)
-            written = analysis.run(params.analysis, expected, tmp, root, lock, task=task)
+            # every evaluation result must postdate the protocol; the calibration cells are what fixed it
+            judged = {c.stage for c in task_cells}
+            lock = protocol_lock(
+                root,
+                watched_keys(root / "dvc.yaml", [f"{task}_"]),
+                judged,
+                watched_files=[path.as_posix()],
+                report_path=(REPORTS_DIR / task / "stats.json").as_posix(),
+            )
+            written = analysis.run(
+                params.analysis,
+                expected,
+                tmp,
+                root,
+                lock,
+                task=task,
+                calibrated={task: calibrated},
+                order={task: params.tasks()[task].instances},
+            )
             produced = [f.relative_to(tmp) for f in written]
             for rel in produced:  # same file system: each move is atomic; report.md comes last
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -63,14 +96,14 @@ def main(
 def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
     """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
     (``comparisons.json``), stats.json's top-level strings (the headline answer) as tags, and a few counts
-    (instances, runs, split-half agreement) as metrics. Not one metric per comparison: the chart view would open on
+    (instances, runs) as metrics. Not one metric per comparison: the chart view would open on
     a bar chart of each. The counts' keys have no "/", so the UI files them under "Model metrics", after the curves.
     MLflow is only a mirror: the run directories were the input, reports/ is the output."""
     from mlflow.entities import RunTag
 
     stats = json.loads((out / "stats.json").read_text())
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in stats.items() if isinstance(v, str)])
-    counts = {k: stats[k] for k in ("n_instances", "n_runs", "split_half") if k in stats}
+    counts = {k: stats[k] for k in ("n_instances", "n_runs") if k in stats}
     tracking.log_final(client, run_id, tracking.flatten_numbers(counts))
     tracking.log_csv_table(client, run_id, out / "comparisons.csv", "comparisons.json", first=("label", "verdict"))
     for path in written:

@@ -55,8 +55,9 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
     except ParamsError as e:
         sys.exit(f"error: {e}")
     tasks = params.tasks()
-    if len(args) != 2 or args[0] not in tasks or not args[1].isdigit() or int(args[1]) not in tasks[args[0]].instances:
-        allowed = "; ".join(f"{t} {{{', '.join(map(str, s.instances))}}}" for t, s in tasks.items())
+    seeds = {t: [*s.calibration.instances, *s.instances] for t, s in tasks.items()}  # calibration ones too
+    if len(args) != 2 or args[0] not in tasks or not args[1].isdigit() or int(args[1]) not in seeds[args[0]]:
+        allowed = "; ".join(f"{t} {{{', '.join(map(str, s))}}}" for t, s in seeds.items())
         sys.exit(f"usage: python -m pipelines.{stage} <task> <instance>; allowed: {allowed} (got {' '.join(args)!r})")
     return params, args[0], tasks[args[0]], int(args[1])
 

@@ -2,9 +2,10 @@
 
 Writes summary.json (DVC metrics), evals.csv and history.csv (DVC plots), all at once when the run ends.
 
-    python -m pipelines.ppo grammar_fixed@0-reward_k1-0.1-0
-    python -m pipelines.ppo grammar_matched@0-loss_k3-5.0-0
-    python -m pipelines.ppo grammar_baseline@0-0          # the no-KL arm
+    python -m pipelines.ppo grammar_design@100-loss_k3-tuned-0    # at the value protocol/grammar.json fixed
+    python -m pipelines.ppo grammar_calibration@0-reward_k1-0.1-0
+    python -m pipelines.ppo grammar_fixed@100-reward_k1-0.1-0
+    python -m pipelines.ppo grammar_baseline@100-0          # the no-KL arm
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import argparse
 import copy
 import csv
 import io
+import json
 import sys
 import time
 
 from tqdm import tqdm
 
 from ablations.config import Params, ParamsError, load_params
-from ablations.grid import Cell, find_cell
+from ablations.grid import Cell, find_cell, protocol_path, resolve
 from pipelines import tracking
 from pipelines.common import (
     atomic_dir,
@@ -53,10 +55,11 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     strength (coef; kl_target for matched cells), the algorithm and the arm's KL spec as flat fields."""
     kl = cell.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
     spec = {"algorithm": cfg.algorithm, "group_size": cfg.group_size, **kl}
-    coef = cell.kl.coef if cell.kind != "baseline" else 0.0
+    coef = cell.kl.coef if cell.arm != "none" else 0.0
     return {
         "task": cell.task,
-        "kind": cell.kind,
+        "kind": cell.result_kind,
+        "role": cell.role,
         "instance": cell.instance,
         "seed": cell.seed,
         "arm": cell.arm,
@@ -66,9 +69,21 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     }
 
 
+def resolved(params: Params, cell: Cell) -> Cell:
+    """``cell`` with its KL config: a design cell takes its role's value from the calibration (protocol/<task>.json,
+    a dependency of its stage); a clear error if the calibration has not run."""
+    if cell.kind != "design":
+        return cell
+    path = protocol_path(cell.task)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the calibration first (dvc repro {cell.task}_calibrate)")
+    return resolve(cell, params, json.loads(path.read_text()))
+
+
 def run_cell(params: Params, cell: Cell) -> dict:
     """Trains one cell and writes its outputs atomically. Returns its summary plus ``wall_s`` (seconds; not in
     summary.json, which must be the same on every rerun)."""
+    cell = resolved(params, cell)
     device = setup()
     data = load_checkpoint(data_path(cell.task, cell.instance))
     task = load_task(data)

@@ -21,10 +21,12 @@ stages, mark MLflow runs left RUNNING by a killed run FAILED; 3. ask `dvc status
 sft -> rm, one chain per task instance) are stale and build the chains in parallel on the same workers: a chain
 whose first stale stage is k runs stages k..end in order (each by its dvc.yaml command's module function in the
 worker, as a cell), finished stages recorded in dvc.lock as in step 4, all of them before any cell starts; a
-failed stage stops the run; 4. ask `dvc status` which grid cells are stale and run them in parallel, each with
+failed stage stops the run; 4. ask `dvc status` which calibration cells are stale and run them as in step 5, then
+`dvc repro <task>_calibrate` (the protocol is fixed before any evaluation cell runs); 5. ask `dvc status` which
+evaluation cells are stale and run them in parallel, each with
 torch threads set to RLHF_THREADS (default 1), printing one line per finished cell, and record finished cells in
 dvc.lock while the others run (a batch at most every --commit-every seconds), exactly as `dvc repro` would have;
-5. `dvc repro` for the rest (the analysis).
+6. `dvc repro` for the rest (the analysis).
 
 Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) stops the workers at once (their
 MLflow runs are marked FAILED), records the cells (or upstream stages) that finished, and exits with one line
@@ -60,7 +62,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ablations.config import ParamsError, load_params
-from ablations.grid import Cell, cells, upstream_chains
+from ablations.grid import Cell, calibrate_stages, calibration_cells, evaluation_cells, upstream_chains
 from pipelines import lockfile, tracking
 from pipelines.leftovers import clean_temp
 
@@ -344,6 +346,7 @@ def upstream_stage(params, up: Upstream) -> dict:
 
     group, instance = up.stage.split("@")
     task, kind = group.rsplit("_", 1)
+    task = task.removesuffix("_calibration")  # grammar_calibration_sft@0: the grammar task's sft stage
     _mlflow_ready(params.mlflow.experiment)
     start = time.perf_counter()
     try:
@@ -580,6 +583,16 @@ def _where(workers: int, slots: list[str] | None, ray_address: str | None) -> st
     return f"{workers} local workers: " + ", ".join(f"{slots.count(g)} on GPU {g}" for g in dict.fromkeys(slots))
 
 
+def run_wave(todo: list[Cell], backend, env, sig: Signals, args, run_cell, experiment: str) -> None:
+    """Runs the stale cells ``todo`` on the workers, recording them as they finish; RunnerError if any failed."""
+    if not todo:
+        return
+    failed = run_cells(todo, backend(), Recorder(env, args.commit_every), sig, run_cell, experiment)
+    if failed:
+        n, names = len(failed), ", ".join(failed)
+        raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+
+
 def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=upstream_stage) -> None:
     start = time.perf_counter()
     if not Path(".dvc").is_dir():
@@ -604,23 +617,27 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
             return pool[0]
 
         try:
-            ups = stale_chains(upstream_chains(params), env, sig)
+            ups = stale_chains(upstream_chains(params, evaluation=not args.calibration_only), env, sig)
             if ups:
                 print(f"{len(ups)} upstream chains to build: {', '.join(u.stage for u in ups)}", flush=True)
                 recorder = Recorder(env, args.commit_every, "upstream stages")
                 failed = run_cells(ups, backend(), recorder, sig, run_stage, params.mlflow.experiment)
                 if failed:
                     raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
-            grid = cells(params)
-            todo = stale_cells(grid, env, sig)
             where = _where(workers, slots, args.ray_address)
+            cal = calibration_cells(params)
+            todo = stale_cells(cal, env, sig)
+            print(f"{len(todo)} of {len(cal)} calibration cells to run on {where}", flush=True)
+            run_wave(todo, backend, env, sig, args, run_cell, params.mlflow.experiment)
+            # the protocol is fixed on the calibration cells before any evaluation cell runs (dvc.yaml's DAG too)
+            dvc(["repro", *calibrate_stages(params)], env, sig)
+            if args.calibration_only:
+                print("calibration done: protocol/<task>.json written; commit it before the evaluation", flush=True)
+                return
+            grid = evaluation_cells(params)
+            todo = stale_cells(grid, env, sig)
             print(f"{len(todo)} of {len(grid)} grid cells to run on {where}", flush=True)
-            if todo:
-                recorder = Recorder(env, args.commit_every)
-                failed = run_cells(todo, backend(), recorder, sig, run_cell, params.mlflow.experiment)
-                if failed:
-                    n, names = len(failed), ", ".join(failed)
-                    raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+            run_wave(todo, backend, env, sig, args, run_cell, params.mlflow.experiment)
         finally:
             for b in pool:
                 b.close()
@@ -638,6 +655,9 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     ap.add_argument("--workers-per-gpu", type=int, help="workers (cells at once) per GPU; on Ray: 1/N GPU per cell")
     ap.add_argument("--ray-address", help="Ray cluster address ('auto', 'ray://host:10001' or 'local')")
     ap.add_argument("--no-analysis", action="store_true", help="stop after the grid cells")
+    ap.add_argument(
+        "--calibration-only", action="store_true", help="stop once the calibration has fixed protocol/<task>.json"
+    )
     ap.add_argument(
         "--commit-every", type=float, default=60.0, help="seconds between recordings of finished cells (default 60)"
     )
