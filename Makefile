@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro dvc-repro test test-all lint check-params ui bench figure
+.PHONY: install repro calibrate settle answer dvc-repro test test-all lint check-params ui bench figure
 
 $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -20,8 +20,21 @@ check-params: install        ## validate params.yaml without running anything
 repro: install               ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; PROFILE=full, RUN_ARGS="--gpus 0,1"
 ifdef PROFILE
 	$(PY) -m pipelines.profile $(PROFILE)
-endif
 	$(PY) -m pipelines.run $(RUN_ARGS)
+else
+	$(PY) -m pipelines.run $(RUN_ARGS)
+	$(PY) -m pipelines.readme
+endif
+
+calibrate: install          ## only the calibration: its cells, then protocol/<task>.json (commit it before the evaluation)
+	$(PY) -m pipelines.run --calibration-only $(RUN_ARGS)
+
+settle: install             ## repro, then add evaluation instances a batch at a time until every primary question is settled or capped
+	$(PY) -m pipelines.settle -- $(RUN_ARGS)
+	$(PY) -m pipelines.readme
+
+answer: install             ## the README's answer section from reports/<task>/answer.md (make repro does it too)
+	$(PY) -m pipelines.readme
 
 dvc-repro: check-params      ## the same, one stage at a time, by plain DVC
 	dvc repro

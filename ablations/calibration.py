@@ -17,7 +17,8 @@ the file every evaluation design cell depends on (dvc.yaml). Its rules are writt
   differs from the reference arm's at ``coef`` by the amount closest to one margin (ties: the smaller
   coefficient). Its calibration effect and sign are recorded: the evaluation must detect it in that direction
   (reference arm at ``coef`` minus at ``control_coef``), also on log KL for Q1.
-* the no-KL control's expected direction per metric: sign of (no KL - reference arm at ``coef``) on calibration.
+* the no-KL control's expected direction per primary metric (gold, log KL): sign of (no KL - reference arm at
+  ``coef``) on calibration.
 
 Pure functions of DataFrames (ablations/load.py load_runs output): no I/O here.
 """
@@ -111,7 +112,9 @@ def calibrate(
     control = choose_control(gold.loc[reference_arm], coef, margin)
     log_kl = coef_table(runs.assign(log_kl=np.log(runs.final_kl.clip(lower=1e-12))), "log_kl")
     ref_gold, ref_log_kl = gold.loc[reference_arm], log_kl.loc[reference_arm]
-    none_gold = float(_instance_mean(runs[runs.kind == "calibration_baseline"], "final_gold").mean())
+    base = runs[runs.kind == "calibration_baseline"]
+    none_gold = float(_instance_mean(base, "final_gold").mean())
+    none_log_kl = float(_instance_mean(base.assign(log_kl=np.log(base.final_kl.clip(lower=1e-12))), "log_kl").mean())
     control_effect = {"gold": float(ref_gold[coef] - ref_gold[control]),
                       "log_kl": float(ref_log_kl[coef] - ref_log_kl[control])}  # fmt: skip
     return {
@@ -134,7 +137,10 @@ def calibrate(
         "control_coef": control,
         "control_effect": control_effect,
         "control_direction": {k: _sign(v) for k, v in control_effect.items()},
-        "no_kl_direction": {"gold": _sign(none_gold - float(ref_gold[coef]))},
+        "no_kl_direction": {
+            "gold": _sign(none_gold - float(ref_gold[coef])),
+            "log_kl": _sign(none_log_kl - float(ref_log_kl[coef])),
+        },
         "calibration_gold": {a: {f"{c:g}": _num(v) for c, v in gold.loc[a].items()} for a in arms},
         "calibration_log_kl": {a: {f"{c:g}": _num(v) for c, v in log_kl.loc[a].items()} for a in arms},
     }

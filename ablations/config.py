@@ -369,12 +369,13 @@ def _distinct(name: str, values: list) -> list:
     return values
 
 
-def _coefs_as_written(coefs):
-    """DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient."""
+def _coefs_as_written(coefs, what: str = "coefficient"):
+    """DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient (or
+    KL target)."""
     if isinstance(coefs, list):
         for c in coefs:
             if isinstance(c, int) and not isinstance(c, bool):
-                raise ValueError(f"write every coefficient as a decimal number ({c}.0, not {c})")
+                raise ValueError(f"write every {what} as a decimal number ({c}.0, not {c})")
     return coefs
 
 
@@ -453,6 +454,11 @@ class TaskSection(BaseModel):
                 f"every coefficient must be in (0, 1000] (got {bad[0]}); the no-KL baseline runs by itself"
             )
         return _distinct("coefficient", coefs)
+
+    @field_validator("kl_targets", mode="before")
+    @classmethod
+    def _targets_written(cls, v):
+        return _coefs_as_written(v, "KL target")
 
     @field_validator("kl_targets")
     @classmethod

@@ -91,7 +91,9 @@ def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: l
         values(runs, ref, "fixed", protocol["control_coef"], column),
         order,
     )
-    direction = int(protocol["control_direction"][spec.metric]) or 1
+    direction = int(protocol["control_direction"][spec.metric])
+    if direction == 0:  # calibration saw no control effect at all: no look can detect it, so none says equivalent
+        control, direction = np.zeros_like(control), 1
     sch = schedule(proto)
     n = (len(d) // sch.batch_size) * sch.batch_size  # complete batches only
     looks = Q.path(d[:n], margin, sch, control=control[:n], control_direction=direction)

@@ -77,7 +77,7 @@ def budget_lines(tr: TaskResults) -> list[str]:
     """The error budget of the headline: alpha split over the questions and spent over the looks."""
     b = tr.budget
     looks = ", ".join(
-        f"n = {n}: {T.g3(a)}{'' if ok else ' (unreachable: the exact test cannot go that low)'}"
+        f"n = {n}: {T.g3(a)}{'' if ok else ' (no difference can be shown there: 2/2^n > a_j)'}"
         for n, a, ok in zip(b["looks"], b["levels"], b["reachable"])
     )
     return [

@@ -10,13 +10,23 @@ runner's order: calibration cells, this stage, then the evaluation cells).
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
 from ablations.calibration import calibrate
 from ablations.config import ParamsError, load_params
 from ablations.grid import calibration_cells, protocol_path
 from ablations.load import ExpectedRun, MissingResultsError, load_runs
-from pipelines.common import write_json
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Writes ``obj`` as JSON atomically (a temporary sibling, then os.replace): never half a protocol file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,8 +42,9 @@ def main(argv: list[str] | None = None) -> dict:
     expected = [ExpectedRun(c.stage, c.out_dir) for c in calibration_cells(params) if c.task == task]
     try:
         runs, evals = load_runs(expected)
-    except MissingResultsError as e:
-        sys.exit(f"error: {e}")
+    except MissingResultsError as e:  # one line (the analysis's message goes on to list each stage on a line)
+        what = str(e).splitlines()[0].removeprefix("analysis needs every expected run; ")
+        sys.exit(f"error: {task}_calibrate needs every calibration run; {what[:400]}{'...' * (len(what) > 400)}")
     try:
         protocol = calibrate(
             runs,

@@ -49,10 +49,20 @@ def apply(name: str, params: Path = PARAMS_FILE, profiles: Path = PROFILES) -> l
         raise ParamsError(f"{path}: must be a mapping of params.yaml sections")
     if "analysis" in over:
         raise ParamsError(f"{path}: a profile may not change 'analysis' (the protocol is the same for every profile)")
+    changed = edit(params, lambda doc: merge(doc, over), f"{params} with profile {name}")
+    return changed
+
+
+def edit(params: Path, change, what: str):
+    """Applies ``change(doc)`` to params.yaml as a round-trip document (comments and layout kept), validates the
+    result exactly as params.yaml is (ParamsError naming ``what``; nothing written), then replaces the file whole.
+    Returns what ``change`` returned."""
     rt = YAML()  # round trip: keeps params.yaml's comments and layout
     rt.width = 4096
+    rt.indent(mapping=2, sequence=4, offset=2)  # params.yaml's block lists (grid.design); ruamel's default: 2, 0
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     doc = rt.load(params.read_text())
-    changed = merge(doc, over)
+    out = change(doc)
     buf = io.StringIO()
     rt.dump(doc, buf)
     tmp = params.with_name(f".{params.name}.tmp")
@@ -61,9 +71,9 @@ def apply(name: str, params: Path = PARAMS_FILE, profiles: Path = PROFILES) -> l
         load_params(tmp)  # the same checks and one-line messages as params.yaml itself
     except ParamsError as e:
         tmp.unlink()
-        raise ParamsError(str(e).replace(str(tmp), f"{params} with profile {name}")) from None
+        raise ParamsError(str(e).replace(str(tmp), what)) from None
     os.replace(tmp, params)  # whole or not at all
-    return changed
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     set_precision(section.model, sft)
     tags = {"task": task, "instance": instance, "kind": "rm"}
     config = {"rm": section.rm.model_dump()}
-    with tracking.stage_run(f"{task}_rm@{instance}", params.mlflow.experiment, config, tags=tags) as (client, rid):
+    cal = "_calibration" if instance in section.calibration.instances else ""  # DVC's name: {task}_calibration_rm@0
+    stage = f"{task}{cal}_rm@{instance}"
+    with tracking.stage_run(stage, params.mlflow.experiment, config, tags=tags) as (client, rid):
         rm, metrics, losses = fit(section, instance, grammar, sft, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")
         tracking.log_final(client, rid, metrics)

@@ -79,6 +79,73 @@ BAD = [
     ("kl in ppo", lambda p: p["grammar"]["ppo"].update(kl={}), "belong in 'grid'"),
     ("minibatch does not divide", lambda p: p["grammar"]["ppo"].update(minibatch_size=7), "multiple of minibatch_size"),
     ("reference arm not an arm", lambda p: p["analysis"].update(reference_arm="nope"), "allowed: reward_k1"),
+    # protocol v3: calibration instances, calibration rules, the design
+    ("calibration coefs too few", lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 0.3]), "at least 3"),
+    (
+        "calibration coef as an integer",
+        lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 1, 3.0]),
+        "write every coefficient as a decimal number (1.0, not 1)",
+    ),
+    (
+        "calibration coef duplicate",
+        lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 0.3, 0.1]),
+        "duplicate coefficient 0.1",
+    ),
+    ("calibration coef zero", lambda p: p["grammar"]["calibration"].update(coefs=[0.0, 0.1, 0.3]), "(0, 1000]"),
+    (
+        "duplicate calibration instance",
+        lambda p: p["grammar"]["calibration"].update(instances=[0, 0]),
+        "duplicate calibration instance 0",
+    ),
+    ("no margin", lambda p: p["grammar"]["calibration"].update(margin_fraction=0.0), "calibration.margin_fraction"),
+    ("unknown gain", lambda p: p["grammar"]["calibration"].update(gain="mean"), "grammar.calibration.gain"),
+    ("unknown target", lambda p: p["grammar"]["calibration"]["target"].update(at="middle"), "calibration.target.at"),
+    ("missing calibration", lambda p: p["arithmetic"].pop("calibration"), "missing key 'arithmetic.calibration'"),
+    (
+        "calibration instances without evaluation instances",
+        lambda p: p["grammar"].update(instances=[]),
+        "both be empty (the task does not run) or both non-empty (got 0 and 3)",
+    ),
+    (
+        "evaluation instances without calibration instances",
+        lambda p: p["arithmetic"]["calibration"].update(instances=[]),
+        "both be empty",
+    ),
+    ("calibration arm not an arm", lambda p: p["grid"].update(calibration_arms=["reward_k1", "nope"]), "'nope'"),
+    ("duplicate calibration arm", lambda p: p["grid"].update(calibration_arms=["reward_k1"] * 2), "duplicate"),
+    (
+        "reference arm not calibrated",
+        lambda p: p["grid"].update(calibration_arms=["loss_k3"], design=["loss_k3-coef"]),
+        "grid.calibration_arms must include the reference arm 'reward_k1'",
+    ),
+    ("unknown role", lambda p: p["grid"]["design"].append("loss_k1-best"), "must be '<arm>-<role>'"),
+    ("unknown design arm", lambda p: p["grid"]["design"].append("nope-coef"), "must be '<arm>-<role>'"),
+    ("duplicate design cell", lambda p: p["grid"]["design"].append("loss_k1-coef"), "duplicate design cell"),
+    (
+        "tuned arm not calibrated",
+        lambda p: p["grid"]["design"].append("reward_k3-tuned"),
+        "'reward_k3-tuned' is tuned on calibration, so reward_k3 must be a calibration arm",
+    ),
+    (
+        "no positive control in the design",
+        lambda p: p["grid"]["design"].remove("reward_k1-control"),
+        "grid.design must include 'reward_k1-control'",
+    ),
+    (
+        "primary cell not in the design",
+        lambda p: p["grid"]["design"].remove("loss_k3-target"),
+        "analysis.primary.Q3: needs the design cell 'loss_k3-target'",
+    ),
+    (
+        "instances not whole batches",
+        lambda p: p["grammar"].update(instances=[100, 101, 102]),
+        "grammar.instances: 3 instances must be whole batches",
+    ),
+    (
+        "exploratory KL target as an integer",
+        lambda p: p["grammar"].update(kl_targets=[2]),
+        "write every KL target as a decimal number",
+    ),
     (
         "adaptive arm without a horizon",
         lambda p: p["grid"]["arms"].update(
@@ -122,3 +189,32 @@ def test_check_is_torch_free_and_fast():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 5.0  # imports included; about 0.2 s on the development machine
+
+
+@pytest.mark.parametrize("task", ["grammar", "arithmetic"])
+def test_an_evaluation_instance_can_never_be_a_calibration_instance(tmp_path, task):
+    """Nothing is judged on an instance it was tuned on: params.yaml that lists a task seed both as a calibration
+    and as an evaluation instance is refused, naming the seed."""
+    p = repo_params()
+    cal = p[task]["calibration"]["instances"]
+    p[task]["instances"] = [cal[-1], *p[task]["instances"][1:]]
+    message = check(tmp_path, p)
+    assert "must be disjoint" in message and f"(both have [{cal[-1]}])" in message
+    params = load_params(REPO / "params.yaml")
+    for section in params.tasks().values():
+        assert not set(section.instances) & set(section.calibration.instances)
+
+
+def test_a_task_with_no_instances_does_not_run_and_needs_no_protocol(tmp_path):
+    p = repo_params()
+    p["arithmetic"]["instances"], p["arithmetic"]["calibration"]["instances"] = [], []
+    del p["analysis"]["tasks"]["arithmetic"]
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(p, sort_keys=False))
+    assert list(load_params(path).tasks()) == ["grammar"]
+
+
+def test_exploratory_cells_may_be_empty():
+    params = load_params(REPO / "params.yaml")
+    assert params.grammar.coefs == [] and params.grammar.kl_targets == []  # the design alone runs by default
+    assert params.grid.design_cells()[0] == ("reward_k1", "coef")

@@ -17,14 +17,26 @@ from ablations.load import DIAGNOSTIC_COLUMNS, MissingResultsError, load_diagnos
 from . import synthetic as syn
 
 PROTO = syn.protocol()
-PLANTED = {a: syn.THEORY[a] for a in ("reward_k1", "loss_k1", "loss_k2")}  # reward_k2: diagnostics off
-SMALL = dict(coefs=(0.03, 0.3), targets=(8.0,))
+IN = syn.inputs()
+PLANTED = {a: syn.THEORY[a] for a in ("reward_k1", "loss_k1", "loss_k3")}  # reward_k3: diagnostics off
+SMALL = dict(coefs=(0.03, 0.3), targets=(8.0,))  # exploratory cells besides the design's
+# KL-arm runs per instance: exploratory 4 arms x (2 coefs + 1 target) + 8 design cells
+KL_RUNS = 12 * (4 * 3 + len(syn.DESIGN))
+ROLES = {"fixed": ("coef", "control", "tuned"), "matched": ("target",)}
+
+
+def _files(root, arm: str, kind: str) -> list:
+    """diagnostics.csv of ``arm``'s runs of ``kind``: its exploratory folder and its design cells of that kind."""
+    files = list((root / "runs/grammar" / kind).glob(f"*-{arm}-*-*/diagnostics.csv"))
+    for role in ROLES[kind]:
+        files += (root / "runs/grammar/design").glob(f"*-{arm}-{role}-*/diagnostics.csv")
+    return sorted(files)
 
 
 def _independent(root, arm: str, regime: str, metric: str, kind: str = "fixed") -> tuple[np.ndarray, int, int]:
     """Per-instance means read straight from the files (glob, not the loader), and the number of runs and rows."""
     by_instance, runs, rows = {}, 0, 0
-    for f in sorted((root / "runs/grammar" / kind).glob(f"*-{arm}-*-*/diagnostics.csv")):
+    for f in _files(root, arm, kind):
         d = pd.read_csv(f)
         if d.empty:  # header-only
             continue
@@ -35,16 +47,17 @@ def _independent(root, arm: str, regime: str, metric: str, kind: str = "fixed") 
 
 
 def test_table_aggregates_the_planted_rows_per_instance(tmp_path):
-    """Only fixed runs of the planted arms carry diagnostics (matched runs and reward_k2 are header-only, and so is
-    one loss_k1 run, which leaves instance 0 with fewer rows than the others): the table has exactly the planted arm
-    x regime rows, and each number is the mean over instances of the per-instance means over runs and checkpoints
-    (not the mean over rows), with the t CI at 1 - alpha and n = instances."""
+    """Only fixed runs of the planted arms carry diagnostics (exploratory and design; matched runs and reward_k3
+    are header-only, and so is one loss_k1 run, which leaves instance 0 with fewer rows than the others): the
+    table has exactly the planted arm x regime rows, and each number is the mean over instances of the
+    per-instance means over runs and checkpoints (not the mean over rows), with the t CI at 1 - alpha and
+    n = instances."""
     exp = syn.write_runs(tmp_path, diagnostics=PLANTED, diag_kinds=("fixed",), **SMALL)
     (tmp_path / "runs/grammar/fixed/0-loss_k1-0.03-0/diagnostics.csv").write_text("iteration,regime\n")
-    tr = A.analyse(PROTO, exp, tmp_path).tasks["grammar"]
+    tr = A.analyse(PROTO, exp, tmp_path, **IN).tasks["grammar"]
     t = tr.diagnostic_table
     assert list(zip(t.arm, t.regime)) == [
-        (a, r) for a in ("reward_k1", "loss_k1", "loss_k2") for r in ("on_policy", "off_policy")
+        (a, r) for a in ("reward_k1", "loss_k1", "loss_k3") for r in ("on_policy", "off_policy")
     ]  # reward-side k1 first, loss-side k1 next to it; on-policy before off-policy
     for r in t.itertuples():
         for m in ("cosine", "scale", "rel_bias", "rel_var"):
@@ -52,21 +65,25 @@ def test_table_aggregates_the_planted_rows_per_instance(tmp_path):
             assert getattr(r, f"{m}_mean") == pytest.approx(v.mean())
             half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
             assert (getattr(r, f"{m}_lo"), getattr(r, f"{m}_hi")) == pytest.approx((v.mean() - half, v.mean() + half))
-            assert getattr(r, f"{m}_n") == len(v) == 6
-        assert (r.runs, r.rows, r.instances) == (runs, rows, 6) == ((11, 22, 6) if r.arm == "loss_k1" else (12, 24, 6))
+            assert getattr(r, f"{m}_n") == len(v) == 12
+        # fixed runs per instance: reward_k1 2 + coef + control, loss_k1 2 + coef, loss_k3 2 + coef + tuned
+        per = {"reward_k1": 4, "loss_k1": 3, "loss_k3": 4}[r.arm]
+        want = 12 * per - (r.arm == "loss_k1")
+        assert (r.runs, r.rows, r.instances) == (runs, rows, 12) == (want, 2 * want, 12)
         assert r.updates == (0 if r.regime == "on_policy" else syn.DIAG_UPDATES) and r.checkpoints == [20, 40]
     by = t.set_index(["arm", "regime"])
     assert by.loc[("loss_k1", "on_policy"), "scale_hi"] < 0.1 < by.loc[("reward_k1", "on_policy"), "scale_lo"]
     cov = tr.diagnostic_coverage
-    assert (cov["runs_with"], cov["runs_total"]) == (3 * 6 * 2 - 1, 4 * 6 * 3)
-    assert cov["cells"] == [("fixed", 0.03), ("fixed", 0.3)] and cov["checkpoints"] == [20, 40]
+    assert (cov["runs_with"], cov["runs_total"]) == (12 * 11 - 1, KL_RUNS)
+    assert cov["cells"] == [("fixed", 0.03), ("fixed", 0.1), ("fixed", 0.3)] and cov["checkpoints"] == [20, 40]
 
 
 def test_header_only_and_absent_files_are_skipped_and_a_broken_one_is_named(tmp_path):
     exp = syn.write_runs(tmp_path, diagnostics={"loss_k1": syn.THEORY["loss_k1"]}, diag_absent=True, **SMALL)
     runs, _ = load_runs(exp, tmp_path)
     d = load_diagnostics(runs, tmp_path)
-    assert set(d.arm) == {"loss_k1"} and len(d) == 6 * 3 * 2 * 2  # instances x (2 fixed + 1 matched) x at x regime
+    # instances x (2 fixed + 1 matched + the design's coef cell) x checkpoint x regime
+    assert set(d.arm) == {"loss_k1"} and len(d) == 12 * 4 * 2 * 2
     assert list(d.columns[-len(DIAGNOSTIC_COLUMNS) :]) == list(DIAGNOSTIC_COLUMNS)
     header_only = next(r for r in exp if "loss_k1" in r.stage)
     (tmp_path / header_only.path / "diagnostics.csv").write_text("iteration,regime\n")
@@ -118,7 +135,7 @@ def test_order_follows_the_spec_and_nan_cosines_are_left_out():
 
 def test_report_stats_and_figure_with_diagnostics(tmp_path):
     exp = syn.write_runs(tmp_path, diagnostics=PLANTED, **SMALL)
-    written = A.run(PROTO, exp, tmp_path / "out", tmp_path, task="grammar")
+    written = A.run(PROTO, exp, tmp_path / "out", tmp_path, task="grammar", **IN)
     names = [p.relative_to(tmp_path / "out").as_posix() for p in written]
     assert names == [*A.TASK_OUTPUTS[:-1], A.DIAGNOSTICS_FIGURE, "report.md"]
     assert all(p.is_file() and p.stat().st_size > 0 for p in written)
@@ -127,24 +144,25 @@ def test_report_stats_and_figure_with_diagnostics(tmp_path):
     lines = [x for x in section.splitlines() if x.startswith("| ")]
     assert lines[0].startswith("| arm ") and "rel. bias" in lines[0] and "noise floor" in lines[0]
     assert [x.split("|")[1].strip() for x in lines[1:]] == ["reward_k1", "reward_k1", "loss_k1", "loss_k1",
-                                                           "loss_k2", "loss_k2"]  # fmt: skip
+                                                           "loss_k3", "loss_k3"]  # fmt: skip
     assert "off-policy (7 updates)" in section and "checkpoint iteration(s) 20, 40" in section
-    assert "54 of the 72 KL-arm runs" in section and "18 KL-arm run(s) have no diagnostics" in section
+    # per instance: reward_k1 3 + coef + control, loss_k1 3 + coef, loss_k3 3 + coef + tuned + target = 15 of 20
+    assert f"180 of the {KL_RUNS} KL-arm runs" in section and "60 KL-arm run(s) have no diagnostics" in section
     assert "Common to every row: algorithm ppo, target reference." in section
     assert "![Gradient diagnostics](figures/diagnostics.png)" in report
     st = json.loads((tmp_path / "out/stats.json").read_text())["gradient_diagnostics"]
     pooled = [_independent(tmp_path, "loss_k1", "off_policy", "cosine", kind) for kind in ("fixed", "matched")]
-    per_instance = (pooled[0][0] * 4 + pooled[1][0] * 2) / 6  # 2 fixed + 1 matched run x 2 checkpoints each
+    per_instance = (pooled[0][0] * 3 + pooled[1][0]) / 4  # 3 fixed + 1 matched run, 2 checkpoints each
     assert st["rows"]["loss_k1/off_policy"]["cosine"]["mean"] == pytest.approx(per_instance.mean())
     assert st["rows"]["loss_k1/off_policy"]["updates"] == syn.DIAG_UPDATES and len(st["rows"]) == 6
-    assert st["runs_with"] == 54 and st["checkpoints"] == [20, 40]
+    assert st["runs_with"] == 180 and st["checkpoints"] == [20, 40]
 
 
 @pytest.mark.parametrize("absent", [False, True])
 def test_runs_without_any_diagnostics_still_report(tmp_path, absent):
     """Header-only files (diagnostics off) or none at all (older runs): one line, no table, no figure."""
     exp = syn.write_runs(tmp_path, diag_absent=absent, **SMALL)
-    written = A.run(PROTO, exp, tmp_path / "out", tmp_path, task="grammar")
+    written = A.run(PROTO, exp, tmp_path / "out", tmp_path, task="grammar", **IN)
     assert [p.relative_to(tmp_path / "out").as_posix() for p in written] == list(A.TASK_OUTPUTS)
     assert not (tmp_path / "out/figures/diagnostics.png").exists()
     report = (tmp_path / "out/report.md").read_text()

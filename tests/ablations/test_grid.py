@@ -1,6 +1,8 @@
 """The runner's stage names are DVC's: for every spelling of a value params.yaml accepts, the cells of
-ablations.grid name exactly the stages DVC generates from dvc.yaml, and values that would make them disagree are
-refused before any compute."""
+ablations.grid name exactly the stages DVC generates from dvc.yaml (calibration cells, design cells, exploratory
+cells, the upstream chains of calibration and evaluation instances, the calibrate and analysis stages), and values
+that would make them disagree are refused before any compute. Design cells have no KL config until the calibrated
+protocol resolves them."""
 
 from __future__ import annotations
 
@@ -10,13 +12,25 @@ import pytest
 import yaml
 
 from ablations.config import ParamsError, load_params
-from ablations.grid import cells, matrix_key, stage_name
+from ablations.grid import (
+    calibrate_stages,
+    calibration_cells,
+    cells,
+    evaluation_cells,
+    matrix_key,
+    resolve,
+    role_value,
+    stage_name,
+    upstream_chains,
+    upstream_stages,
+)
 
 from ..conftest import REPO, repo_params
 
 # Spellings YAML 1.2 (DVC's parser) reads as floats or ints, including the ones where two parsers disagree.
 COEF_SPELLINGS = ["0.1", "1.0", "1e-05", "1.0e-2", ".5", "0.30000000000000004", "2.50", "1000.0", "+0.25", "3E-3"]
 SEED_SPELLINGS = ["0", "7", "010", "2147483647", "+3"]
+TARGET_SPELLINGS = ["2.0", "1e-1", "8.50", "+3.0"]
 
 
 def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
@@ -29,12 +43,19 @@ def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
         return {s.name for s in repo.index.stages}
 
 
-def params_text(coefs: list[str], seeds: list[str]) -> str:
-    """The repository's params.yaml with these coefficients and seeds written verbatim."""
+def params_text(coefs: list[str], seeds: list[str], targets: list[str] = (), calibration: list[str] = ()) -> str:
+    """The repository's params.yaml with these (exploratory) coefficients, seeds, KL targets and calibration
+    coefficients (default: the repository's) written verbatim."""
     p = repo_params()
     p["grammar"]["coefs"], p["grid"]["seeds"] = "COEFS", "SEEDS"
+    if targets:
+        p["grammar"]["kl_targets"] = "TARGETS"
+    if calibration:
+        p["grammar"]["calibration"]["coefs"] = "CALCOEFS"
     text = yaml.safe_dump(p, sort_keys=False)
-    return text.replace("COEFS", "[" + ", ".join(coefs) + "]").replace("SEEDS", "[" + ", ".join(seeds) + "]")
+    for key, values in (("CALCOEFS", calibration), ("COEFS", coefs), ("SEEDS", seeds), ("TARGETS", targets)):
+        text = text.replace(key, "[" + ", ".join(values) + "]")
+    return text
 
 
 def test_matrix_key_is_dvc_to_str():
@@ -46,15 +67,87 @@ def test_matrix_key_is_dvc_to_str():
 
 
 def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
-    text = params_text(COEF_SPELLINGS, SEED_SPELLINGS)
+    """Every cell the runner knows is a stage of DVC's, and every other DVC stage is an upstream stage of a
+    calibration or evaluation instance, a calibrate stage or an analysis stage, for the stage groups
+    ablations.grid names."""
+    text = params_text(COEF_SPELLINGS, SEED_SPELLINGS, TARGET_SPELLINGS, COEF_SPELLINGS)
     (tmp_path / "check.yaml").write_text(text)
     params = load_params(tmp_path / "check.yaml")
     ours = {c.stage for c in cells(params)}
     theirs = dvc_stage_names(tmp_path, text)
-    assert ours <= theirs
-    upstream = {f"grammar_{s}@{i}" for s in ("data", "sft", "rm") for i in params.grammar.instances}
-    upstream |= {f"arithmetic_{s}@{i}" for s in ("data", "sft") for i in params.arithmetic.instances}
-    assert theirs - ours == upstream | {"grammar_analysis", "arithmetic_analysis"}
+    assert ours <= theirs, sorted(ours - theirs)[:5]
+    upstream = set()
+    for prefix, kinds in (("grammar", ("data", "sft", "rm")), ("arithmetic", ("data", "sft"))):
+        section = getattr(params, prefix)
+        upstream |= {f"{prefix}_{s}@{i}" for s in kinds for i in section.instances}
+        upstream |= {f"{prefix}_calibration_{s}@{i}" for s in kinds for i in section.calibration.instances}
+    assert {s for chain in upstream_chains(params) for s in chain} == upstream
+    assert theirs - ours == upstream | {"grammar_calibrate", "arithmetic_calibrate", "grammar_analysis",
+                                        "arithmetic_analysis"}  # fmt: skip
+    assert calibrate_stages(params) == ["grammar_calibrate", "arithmetic_calibrate"]
+    assert {s.split("@")[0] for s in upstream} == set(upstream_stages(params)) | {
+        f"{t}_{p}{k}" for t in ("grammar", "arithmetic") for p in ("", "calibration_") for k in ("data", "sft")
+    }
+    kinds = {c.group for c in cells(params)}
+    assert kinds == {f"{t}_{k}" for t in ("grammar", "arithmetic") for k in
+                     ("calibration_baseline", "calibration", "baseline", "design")} | {"grammar_fixed",
+                                                                                        "grammar_matched"}  # fmt: skip
+
+
+def test_upstream_chains_run_calibration_instances_first_in_stage_order():
+    params = load_params(REPO / "params.yaml")
+    chains = upstream_chains(params)
+    g = params.grammar
+    first = [stage_name(f"grammar_calibration_{k}", g.calibration.instances[0]) for k in ("data", "sft", "rm")]
+    assert chains[0] == first
+    evaluation = [c for c in chains if c[0].startswith("grammar_data@")]
+    assert chains.index(evaluation[0]) > max(
+        i for i, c in enumerate(chains) if c[0].startswith("grammar_calibration_data@")
+    )
+    only = upstream_chains(params, evaluation=False)
+    assert only and all("calibration_" in s for c in only for s in c)
+    assert len(chains) - len(only) == len(g.instances) + len(params.arithmetic.instances)
+
+
+def calibrated_protocol() -> dict:
+    return {"coef": 0.1, "control_coef": 0.03, "tuned": {"reward_k1": 0.1, "loss_k3": 0.3}, "kl_target": 4.5}
+
+
+def test_design_cells_have_no_kl_until_resolved_against_the_protocol():
+    """The grid (and every stage name) is known before the calibration has run: design cells carry no KL config,
+    no coefficient and no target; resolve() fills them in from the calibrated protocol, role by role, and leaves
+    every other cell as it is."""
+    params = load_params(REPO / "params.yaml")
+    design = [c for c in evaluation_cells(params) if c.kind == "design"]
+    assert design and all(c.kl is None and c.coef is None and c.kl_target is None for c in design)
+    assert all(c.kl is not None for c in calibration_cells(params) + evaluation_cells(params) if c.kind != "design")
+    assert {(c.arm, c.role) for c in design} == set(params.grid.design_cells())
+    proto, m = calibrated_protocol(), params.grid.matched
+    for c in design:
+        r = resolve(c, params, proto)
+        assert r.stage == c.stage and r.out_dir == c.out_dir  # the name does not depend on the calibration
+        spec = params.grid.arms[c.arm]
+        assert (r.kl.placement, r.kl.estimator) == (spec.placement, spec.estimator)
+        if c.role == "target":
+            assert (r.kl.adaptive_target, r.kl.horizon, r.kl.coef) == (4.5, m.horizon, m.init_coef)
+            assert r.kl_target == 4.5 and r.result_kind == "matched"
+        else:
+            want = {"coef": 0.1, "control": 0.03, "tuned": proto["tuned"].get(c.arm)}[c.role]
+            assert r.kl.coef == r.coef == want and r.kl.adaptive_target is None and r.result_kind == "fixed"
+    base = next(c for c in evaluation_cells(params) if c.kind == "baseline")
+    assert resolve(base, params, proto) is base
+    assert role_value(proto, "loss_k3", "tuned") == 0.3 and role_value(proto, "reward_k1", "control") == 0.03
+
+
+def test_no_evaluation_cell_runs_on_a_calibration_instance():
+    params = load_params(REPO / "params.yaml")
+    for task, section in params.tasks().items():
+        cal = {c.instance for c in calibration_cells(params) if c.task == task}
+        ev = {c.instance for c in evaluation_cells(params) if c.task == task}
+        assert cal == set(section.calibration.instances) and ev == set(section.instances)
+        assert not cal & ev
+    assert all(c.calibration for c in calibration_cells(params))
+    assert not any(c.calibration for c in evaluation_cells(params))
 
 
 @pytest.mark.parametrize(
@@ -75,5 +168,14 @@ def test_values_that_would_disagree_or_mislead_are_refused(tmp_path, coefs, seed
     path = tmp_path / "params.yaml"
     path.write_text(params_text(coefs, seeds))
     with pytest.raises(ParamsError, match=message) as err:
+        load_params(path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_kl_target_written_as_an_integer_is_refused(tmp_path):
+    """DVC would name the matched stage ...-8-..., the runner ...-8.0-...: the cell could never be found."""
+    path = tmp_path / "params.yaml"
+    path.write_text(params_text(["0.1"], ["0"], ["8"]))
+    with pytest.raises(ParamsError, match="write every KL target as a decimal number") as err:
         load_params(path)
     assert "\n" not in str(err.value)

@@ -1,65 +1,67 @@
-"""Pieces of the questions: family construction and cross-fitted tuning."""
+"""Pieces of the exploratory families (ablations/questions.py): family construction, and what answer_questions
+reads from the evaluation runs now that the headline is carried by the primary questions alone (Q4's cross-fit
+is gone: Q4 is a primary question at calibrated coefficients)."""
 
-import math
-
-import pandas as pd
+import numpy as np
+import pytest
 
 from ablations import questions as Q
+from ablations.analysis import judged
+from ablations.load import load_runs
 
 from . import synthetic as syn
 
 
 def test_pairs_cross_placements_within_estimators_and_compare_with_the_reference():
-    specs = {**syn.CROSSED, "old_loss_k2": syn.spec("loss", "k2", target="old_policy")}
+    specs = {**syn.CROSSED, "old_loss_k3": syn.spec("loss", "k3", target="old_policy")}
     pairs = Q.comparison_pairs(specs, "reward_k1")
-    assert ("loss_k1", "reward_k1", "placement (k1)") in pairs and ("loss_k2", "reward_k2", "placement (k2)") in pairs
-    assert ("old_loss_k2", "reward_k1", "vs reference") in pairs
-    assert not any(a == "old_loss_k2" and role.startswith("placement") for a, _, role in pairs)  # target differs
+    assert ("loss_k1", "reward_k1", "placement (k1)") in pairs and ("loss_k3", "reward_k3", "placement (k3)") in pairs
+    assert ("old_loss_k3", "reward_k1", "vs reference") in pairs
+    assert not any(a == "old_loss_k3" and role.startswith("placement") for a, _, role in pairs)  # target differs
     assert len({frozenset(p[:2]) for p in pairs}) == len(pairs) == 5  # loss_k1 vs reward_k1 appears once
 
 
-def table(values: dict[float, list[float]]) -> pd.DataFrame:
-    return pd.DataFrame(values, index=range(len(next(iter(values.values())))))
+def _answer(tmp_path, **kw):
+    proto = syn.protocol()
+    runs, _ = load_runs(syn.write_runs(tmp_path, **kw), tmp_path)
+    runs = runs.assign(log_kl=np.log(runs.final_kl))
+    p = judged(proto, "grammar", syn.calibrated())
+    return runs, p, Q.answer_questions(runs, "grammar", p, p.tasks["grammar"])
 
 
-def test_cross_fit_selects_on_one_fold_and_evaluates_on_the_other():
-    # instances 0, 2, 4 (fold A) do best at 0.1; instances 1, 3, 5 (fold B) at 0.3
-    t = table({0.1: [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], 0.3: [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]})
-    chosen, sels = Q.cross_fit(t, ([0, 2, 4], [1, 3, 5]))
-    assert chosen == {1: 0.1, 3: 0.1, 5: 0.1, 0: 0.3, 2: 0.3, 4: 0.3}  # each fold gets the OTHER fold's choice
-    assert [(s["selected_on"], s["coef"], s["evaluated_on"]) for s in sels] == [
-        ((0, 2, 4), 0.1, (1, 3, 5)),
-        ((1, 3, 5), 0.3, (0, 2, 4)),
-    ]
+def test_families_come_from_the_design_and_exploratory_cells_and_there_is_no_q4(tmp_path):
+    """Design cells are fixed (coef, control, tuned) or matched (target) runs like any other: the families are one
+    per coefficient and per KL target that has at least one pair; the control's coefficient (only the reference
+    arm ran there) makes no comparison family, only a Q1 restraint family."""
+    _, _, res = _answer(tmp_path, coefs=(0.03,), targets=(8.0,))
+    fam = res["families"]
+    assert set(fam.question) == {"Q1", "Q2", "Q3"}
+    assert set(fam[fam.question == "Q2"].level) == {0.03, 0.1}  # 0.3 (the control) has the reference arm alone
+    assert set(fam[fam.question == "Q3"].level) == {4.0, 8.0}  # the calibrated target and the exploratory one
+    assert set(fam[fam.question == "Q1"].level) == {0.03, 0.1, 0.3}
+    c = res["comparisons"]
+    at = c[(c.family == "Q2 gold @ coef 0.1") & c.in_family]
+    assert set(at.label) == {"loss_k1 − reward_k1", "loss_k3 − reward_k3", "reward_k3 − reward_k1",
+                             "loss_k3 − reward_k1"}  # fmt: skip
+    assert (c[c.in_family].n == 12).all()
+    q3 = c[(c.family == "Q3 gold @ KL target 4") & c.in_family]
+    assert set(q3.label) == {"loss_k3 − reward_k3"}  # only the k3 arms are steered to the calibrated target
+    # ... so that family's no-KL control (none - reward_k1 at the target) has no instance: it cannot pass
+    pc = c[(c.family == "Q3 gold @ KL target 4") & ~c.in_family]
+    assert pc.n.tolist() == [0] and not fam[fam.family == "Q3 gold @ KL target 4"].pc_pass.any()
 
 
-def test_an_instance_never_chooses_its_own_coefficient():
-    """Making instance i look best at some coefficient never changes the coefficient applied to i."""
-    base = table({0.03: [0.1, 0.2, 0.0, 0.1, 0.3, 0.2], 0.1: [0.2, 0.1, 0.1, 0.3, 0.2, 0.1], 0.3: [0.0] * 6})
-    folds = ([0, 2, 4], [1, 3, 5])
-    before, _ = Q.cross_fit(base, folds)
-    for i in range(6):
-        for c in base.columns:
-            t = base.copy()
-            t.loc[i, c] = 100.0
-            after, _ = Q.cross_fit(t, folds)
-            assert after[i] == before[i]
-
-
-def test_cross_fit_ties_go_to_the_smaller_coefficient_and_folds_need_instances():
-    t = table({0.3: [1.0, 1.0], 0.1: [1.0, 1.0]})
-    chosen, _ = Q.cross_fit(t, ([0], [1]))
-    assert chosen == {0: 0.1, 1: 0.1}
-    assert Q.cross_fit(table({0.1: [1.0]}), ([0], []))[0] == {}
-
-
-def test_tuned_values_read_the_chosen_cell(tmp_path):
-    from ablations.load import load_runs
-
-    runs, _ = load_runs(syn.write_runs(tmp_path, coefs=(0.03, 0.3), targets=()), tmp_path)
-    units = Q.unit_table(runs)
-    chosen = {i: (0.03 if i % 2 else 0.3) for i in range(6)}
-    v = Q.tuned_values(units, "loss_k2", "final_gold", chosen)
-    for i, c in chosen.items():
-        r = runs[(runs.arm == "loss_k2") & (runs.level == c) & (runs.instance == i)]
-        assert math.isclose(v[i], r.final_gold.mean())
+def test_positive_control_of_a_family_is_tested_at_alpha_over_m_outside_the_family(tmp_path):
+    _, p, res = _answer(tmp_path)
+    fam = res["families"].set_index("family")
+    c = res["comparisons"]
+    for name, f in fam[fam.question != "Q1"].iterrows():
+        members = c[(c.family == name) & c.in_family]
+        pc = c[(c.family == name) & ~c.in_family]
+        assert len(pc) == 1 and pc.role.iloc[0] == Q.PC_ROLE and pc.label.iloc[0] == "none − reward_k1"
+        assert f.m == len(members) and f.pc_threshold == pytest.approx(p.alpha / len(members))
+        assert f.pc_pass == (pc.p.iloc[0] < p.alpha / len(members))
+        assert set(members.m) == {len(members)}
+    # the margins are the calibrated ones, and the collapse rule uses the gold margin
+    assert set(c[c.metric == "gold"].margin) == {syn.calibrated()["margins"]["gold"]}
+    assert p.tasks["grammar"].collapse_drop == syn.calibrated()["margins"]["gold"]
