@@ -38,9 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf.config import ESTIMATORS, STRAIGHT_THROUGH, KLConfig
-
-NATIVE_AGGREGATION = {"reward": "seq-mean-token-sum", "loss": "token-mean"}
+from rlhf.config import ESTIMATORS, IS_DETACHED, STRAIGHT_THROUGH, KLConfig
 
 
 def kl_per_token(
@@ -68,6 +66,8 @@ def kl_per_token(
         return 0.5 * delta.square()
     if estimator == "k3":
         return torch.expm1(-delta) + delta
+    if estimator == "abs":  # verl `kl_penalty` 'abs'
+        return delta.abs()
     raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
 
 
@@ -77,6 +77,20 @@ def straight_through(value: torch.Tensor, grad_of: torch.Tensor) -> torch.Tensor
     verl `verl/trainer/ppo/core_algos.py` ``kl_penalty`` (estimators 'k1+', 'k3+': the value of k1/k3, the
     gradient of k2, whose on-policy expectation is the reverse-KL gradient at each position)."""
     return grad_of - grad_of.detach() + value.detach()
+
+
+def estimate(kc: KLConfig, logprobs, target_logprobs, logits=None, target_logits=None) -> torch.Tensor:
+    """The arm's per-token KL (b, t): ``kl_per_token`` of its estimator, in its target's direction, clamped.
+
+    target 'old_policy_forward' is KL(pi_old || pi_theta) = sum_v pi_old(v) (log pi_old(v) - log pi_theta(v)) at
+    each position, lucidrains/PaLM-rlhf-pytorch `palm_rlhf_pytorch/ppo.py` ``masked_kl_div(old, new)`` (full
+    only). ``kl_clamp`` = c clamps each value to [-c, c] (verl `core_algos.kl_penalty` clamps k3 to +-10,
+    OpenRLHF `compute_approx_kl` its estimators to +-10/+-20); a clamped value has no gradient."""
+    if kc.target == "old_policy_forward":
+        k = full_kl(target_logits, logits)
+    else:
+        k = kl_per_token(kc.estimator, logprobs, target_logprobs, logits, target_logits)
+    return k if kc.kl_clamp is None else k.clamp(-kc.kl_clamp, kc.kl_clamp)
 
 
 def full_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -115,47 +129,64 @@ def kl_target(kc: KLConfig, logprobs, logits, ref_logprobs, ref_logits):
 def placement_coefs(kc: KLConfig, kl_coef: float) -> tuple[float | None, float | None]:
     """(reward-side coefficient, loss-side coefficient); None where the placement has no KL.
 
-    ``both`` puts kl_coef in each place (verl allows both at once), or with ``both_split`` = f shares it:
-    f * kl_coef in the reward and (1 - f) * kl_coef in the loss. The same estimator in both places has per-sample
-    gradient (k + dk/dlog pi) s_t; for k1 (delta + 1) and k3 (delta) its on-policy expectation is the reverse-KL
-    gradient, for k2 not (Shah et al. 2025, arXiv 2512.21852); with f = 1/2 it is half of it."""
+    ``both`` puts kl_coef in each place (verl allows both at once). The same estimator in both places has
+    per-sample gradient (k + dk/dlog pi) s_t; for k1 (delta + 1) and k3 (delta) its on-policy expectation is the
+    reverse-KL gradient, with the future KL through the returns: kl_coef * grad KL in total, the same strength as
+    one placement at kl_coef (a split f / 1 - f is refused: the halves add up only at equal coefficients)."""
     reward = kl_coef if kc.placement in ("reward", "both") else None
     loss = kl_coef if kc.placement in ("loss", "both") else None
-    if kc.both_split is not None:
-        reward, loss = kc.both_split * kl_coef, (1.0 - kc.both_split) * kl_coef
     return reward, loss
 
 
-def aggregation_of(kc: KLConfig, side: str) -> str:
-    """The aggregation of the KL term on ``side`` ('reward' or 'loss'): the configured one, else the side's native
-    one (reward: seq-mean-token-sum, the per-token sum the returns accumulate; loss: token-mean)."""
-    return kc.aggregation or NATIVE_AGGREGATION[side]
+def aggregation_of(kc: KLConfig, pg_mode: str = "token-mean") -> str:
+    """The aggregation of the KL term on either side: the configured one, else the policy loss's (``pg_mode``,
+    token-mean unless PPOConfig says otherwise), which is what the reward side gets natively (its per-token
+    penalties, summed by the returns, enter the policy loss with the policy loss's weights)."""
+    return kc.aggregation or pg_mode
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Weights a (b, t) with aggregate(x, mask, mode) = sum_bt a x, verl `core_algos.agg_loss` names:
+    token-mean m / sum m;  seq-mean-token-sum m / B;  seq-mean-token-mean m / (B L_b);
+    seq-mean-token-sum-norm m / (B T), T = the padded response width (Dr. GRPO's constant, arXiv 2503.20783)."""
+    b, t = mask.shape
+    if mode == "token-mean":
+        return mask / mask.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum":
+        return mask / b
+    if mode == "seq-mean-token-mean":
+        return mask / (b * mask.sum(1, keepdim=True).clamp(min=1.0))
+    if mode == "seq-mean-token-sum-norm":
+        return mask / (b * t)
+    raise ValueError(f"unknown aggregation {mode!r}")
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Loss-side aggregation of per-token terms x (b, t) -> scalar, verl `core_algos.agg_loss` names:
-    token-mean sum m x / sum m;  seq-mean-token-sum mean_b sum_t m x;  seq-mean-token-mean mean_b (sum_t m x / L_b).
-    """
+    """Aggregation of per-token terms x (b, t) -> scalar (``aggregation_weights``): token-mean sum m x / sum m;
+    seq-mean-token-sum mean_b sum_t m x;  seq-mean-token-mean mean_b (sum_t m x / L_b);  seq-mean-token-sum-norm
+    sum m x / (B T)."""
     if mode == "token-mean":
         return masked_mean(x, mask)
     if mode == "seq-mean-token-sum":
         return (x * mask).sum(1).mean()
     if mode == "seq-mean-token-mean":
         return ((x * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (x * mask).sum() / (mask.shape[0] * mask.shape[1])
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
-def reward_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Per-token weights c (b, t) of the reward-side KL, so that mean_b sum_t c k == aggregate(k, mask, mode):
-    seq-mean-token-sum c = m (today's per-token penalty);  token-mean c = m B / sum m (per token over the batch's
-    mean length);  seq-mean-token-mean c = m / L_b (the response's mean KL, spread over its tokens)."""
-    if mode == "seq-mean-token-sum":
+def reward_weights(mask: torch.Tensor, mode: str, pg_mode: str = "token-mean") -> torch.Tensor:
+    """Per-token weights c (b, t) of the reward-side KL that give it the strength of the loss-side KL with
+    aggregation ``mode``: c = a_mode / a_pg (``aggregation_weights``), constant within a response. The reward-side
+    penalty at t' reaches s_t (t <= t') through the returns with the policy loss's weight a_pg, so its expected
+    gradient is then that of aggregate(k, mode) plus the future KL at the same weights. With mode == pg_mode
+    (native) c = m, the per-token penalty of Ziegler et al. E.g. pg token-mean: token-mean c = m;
+    seq-mean-token-sum c = m sum m / B (the mean length); seq-mean-token-mean c = m (sum m / B) / L_b."""
+    if mode == pg_mode:
         return mask
-    if mode == "token-mean":
-        return mask * (mask.shape[0] / mask.sum().clamp(min=1.0))
-    if mode == "seq-mean-token-mean":
-        return mask / mask.sum(1, keepdim=True).clamp(min=1.0)
-    raise ValueError(f"unknown aggregation {mode!r}")
+    a, a_pg = aggregation_weights(mask, mode), aggregation_weights(mask, pg_mode)
+    return torch.where(mask > 0, a / torch.where(mask > 0, a_pg, torch.ones_like(a_pg)), torch.zeros_like(a))
 
 
 def per_sequence_factor(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -170,14 +201,17 @@ def per_sequence_factor(mask: torch.Tensor, mode: str) -> torch.Tensor:
 # --- the reward side ---------------------------------------------------------------------------------------------
 
 
-def reward_kl(kc: KLConfig, logprobs, target_logprobs, logits, target_logits, mask) -> torch.Tensor | None:
+def reward_kl(
+    kc: KLConfig, logprobs, target_logprobs, logits, target_logits, mask, pg_mode: str = "token-mean"
+) -> torch.Tensor | None:
     """The KL the reward placement charges, per token and per unit coefficient: c_t * k_t (b, t) with the
-    aggregation weights c of ``reward_weights``; None when the placement has no reward side. Computed once per
-    rollout (and, for target ``old_policy`` only, again before each later epoch: ``reward_kl_remeasured``)."""
+    aggregation weights c of ``reward_weights`` (``pg_mode``: the policy loss's aggregation); None when the
+    placement has no reward side. Computed once per rollout (and, for target ``old_policy`` only, again before
+    each later epoch: ``reward_kl_remeasured``)."""
     if placement_coefs(kc, 1.0)[0] is None:
         return None
-    k = kl_per_token(kc.estimator, logprobs, target_logprobs, logits, target_logits)
-    return k * reward_weights(mask, aggregation_of(kc, "reward"))
+    k = estimate(kc, logprobs, target_logprobs, logits, target_logits)
+    return k * reward_weights(mask, aggregation_of(kc, pg_mode), pg_mode)
 
 
 def reward_kl_remeasured(kc: KLConfig) -> bool:
@@ -194,14 +228,18 @@ def reward_penalty(kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torc
 # --- the loss side -----------------------------------------------------------------------------------------------
 
 
-def importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+def importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, detach: bool = False) -> torch.Tensor:
     """w_t = exp(log pi_theta - sg(log pi_old)), (b, t): the weight of ``is_weight``, multiplying the loss-side k_t.
 
     DeepSeek-V3.2 (arXiv 2512.02556) "unbiased KL estimate"; TRL GRPO `use_bias_correction_kl`; OpenRLHF
-    `--algo.kl.unbiased_gradient`. For k3 the per-sample gradient of w k3 is w (k3 + 1 - r) s = w delta s, whose
-    expectation under pi_old is the reverse-KL gradient at each position, on- and off-policy; the weight carries
-    gradient even where w = 1, so it changes the on-policy gradient too."""
-    return torch.exp(logprobs - old_logprobs.detach())
+    `--algo.kl.unbiased_gradient`. For k3 the per-sample gradient of w k3 is w (k3 + 1 - r) s = w delta s, for k1
+    w (delta + 1) s, whose expectations under pi_old are the reverse-KL gradient at each position, on- and
+    off-policy; the weight carries gradient even where w = 1, so it changes the on-policy gradient too.
+    ``detach``: sg(w), for k2, k1+, k3+ whose own gradient delta s is already the target's (RPG, Zhang et al.
+    2025, arXiv 2505.17508, the detached-ratio form); a differentiable w would add w k s (k1+ x w: twice the
+    gradient off-policy, k2 x w and k3+ x w biased)."""
+    w = torch.exp(logprobs - old_logprobs.detach())
+    return w.detach() if detach else w
 
 
 def kl_return_to_go(kl: torch.Tensor, score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -224,9 +262,15 @@ def loss_kl_terms(kc: KLConfig, logprobs, old_logprobs, target_logprobs, logits,
     """Per-token loss-side KL terms (b, t) under the current policy (``logprobs`` (b, t), ``logits`` (b, t, V) carry
     the gradient; ``old_logprobs`` are the rollout's): k_t, times w_t with ``is_weight``, plus the return-to-go
     term with ``return_to_go``. Values are the (weighted) KL estimate."""
-    k = kl_per_token(kc.estimator, logprobs, target_logprobs.detach(), logits, _detach(target_logits))
-    score = importance_weight(logprobs, old_logprobs) if kc.is_weight else logprobs  # (b, t)
-    terms = score * k if kc.is_weight else k
+    k = estimate(kc, logprobs, target_logprobs.detach(), logits, _detach(target_logits))
+    if not kc.is_weight:
+        terms, score = k, logprobs  # (b, t)
+    elif kc.estimator in IS_DETACHED:  # RPG: sg(w) k; the future-KL term's score is then w s (w * log pi)
+        w = importance_weight(logprobs, old_logprobs, detach=True)
+        terms, score = w * k, w * logprobs
+    else:
+        score = importance_weight(logprobs, old_logprobs)
+        terms = score * k
     if kc.return_to_go:  # the future KL as delta_t' (k1 values) or, for 'full', the exact KL at each position
         future = k if kc.estimator == "full" else logprobs - target_logprobs.detach()
         terms = terms + kl_return_to_go(future, score, mask)
