@@ -93,7 +93,9 @@ class KLConfig(BaseModel):
             if self.estimator is not None:
                 raise ValueError("estimator must be null when placement is 'none' (there is no KL to estimate)")
             on = [f for f in ("is_weight", "return_to_go") if getattr(self, f)]
-            on += [f for f in ("aggregation", "both_split", "ref_sync_every", "kl_clamp") if getattr(self, f) is not None]
+            on += [
+                f for f in ("aggregation", "both_split", "ref_sync_every", "kl_clamp") if getattr(self, f) is not None
+            ]
             if on:
                 raise ValueError(f"{on[0]} needs a KL: placement one of {_allowed(PLACEMENTS[1:])} (got 'none')")
         elif self.estimator is None:

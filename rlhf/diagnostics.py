@@ -21,10 +21,13 @@ its coefficient, on one minibatch:
                  reward whitening, advantage whitening and GRPO's std division (they depend on the score too) and
                  the ratio clipping (it depends on the sign of the total advantage);
     both         reward side + loss side (``placement_coefs``: coef in each place).
-Scale: per unit coefficient, as the loop applies it, with no rescaling: a token-mean arm's estimate is about
-grad S / L-bar, a seq-mean-token-sum arm's about grad S, so two aggregations of one estimator give different
-estimates on the same batch (before issue 18 every mean was multiplied by its batch's mean length, which made a
-token mean exactly the per-sequence sum and the two aggregations indistinguishable).
+Scale: per unit coefficient, as the loop applies it, then divided by the aggregation's nominal strength
+``strength`` (reported): 1 for seq-mean-token-sum, 1 / L-bar for token-mean and seq-mean-token-mean (L-bar: the mean
+response length over all the regime's estimate batches, one constant), 1 / T for seq-mean-token-sum-norm. The
+constant puts every arm on the scale of grad S without making two aggregations equal: before issue 18 each
+minibatch's token mean was multiplied by that minibatch's own mean length, which turned it exactly into the
+per-sequence sum, so token-mean and seq-mean-token-sum arms gave identical estimates on the same batch. Now a
+token-mean estimate is a ratio (sum over the minibatch / its token count) and differs from the sum.
 
 Regimes. ``on_policy``: minibatches of fresh samples from the current policy. ``off_policy``: a copy of the
 policy (with its value model and optimizer state) takes the arm's own epochs x minibatches - 1 updates on the
@@ -157,16 +160,25 @@ def compare(estimates: torch.Tensor, truth: torch.Tensor, truth_var: float) -> d
     }
 
 
-def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen) -> torch.Tensor:
-    """(n_minibatches, P): the arm's estimate at ``policy``, each on one minibatch of a fresh batch of
-    ``sampling_policy``'s responses."""
+def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen) -> tuple[torch.Tensor, float]:
+    """((n_minibatches, P), strength): the arm's estimate at ``policy``, each on one minibatch of a fresh batch of
+    ``sampling_policy``'s responses, divided by the aggregation's nominal strength (module docstring)."""
     params = list(policy.parameters())
-    rows = []
+    rows, tokens = [], 0.0
     for _ in range(cfg.diagnostics.n_minibatches):
         traj = sample(sampling_policy, cfg.batch_size, gen)
         mb = torch.randperm(cfg.batch_size, generator=gen, device=traj.mask.device)[: cfg.minibatch_size]
         rows.append(flat_grad(arm_kl_surrogate(cfg, policy, traj, mb), params))
-    return torch.stack(rows)
+        tokens += traj.mask[mb].sum().item()
+    strength = nominal_strength(K.aggregation_of(cfg.kl, cfg.pg_mode), tokens / (len(rows) * cfg.minibatch_size),
+                                traj.mask.shape[1])  # fmt: skip
+    return torch.stack(rows) / strength, strength
+
+
+def nominal_strength(mode: str, mean_length: float, width: int) -> float:
+    """Per-sequence strength of one unit of coefficient under aggregation ``mode``: 1 (seq-mean-token-sum),
+    1 / mean_length (token-mean, seq-mean-token-mean), 1 / width (seq-mean-token-sum-norm)."""
+    return {"seq-mean-token-sum": 1.0, "seq-mean-token-sum-norm": 1.0 / width}.get(mode, 1.0 / max(mean_length, 1.0))
 
 
 def gradient_diagnostics(
@@ -194,9 +206,10 @@ def gradient_diagnostics(
     rows = []
     for regime, n, pol in regimes:
         truth, truth_var = truth_at(pol, ref_policy)
-        est = arm_estimates(cfg, pol, policy, sample, gen)
-        rows.append({**base, "regime": regime, "updates": n, "against": "reference", **compare(est, truth, truth_var)})
-        if own is not None:
+        est, strength = arm_estimates(cfg, pol, policy, sample, gen)
+        row = {**base, "regime": regime, "updates": n, "strength": strength}
+        rows.append({**row, "against": "reference", **compare(est, truth, truth_var)})
+        if own is not None and not (regime == "on_policy" and cfg.kl.target == "old_policy"):  # there 0 exactly
             truth, truth_var = truth_at(pol, own)
-            rows.append({**base, "regime": regime, "updates": n, "against": "own", **compare(est, truth, truth_var)})
+            rows.append({**row, "against": "own", **compare(est, truth, truth_var)})
     return rows

@@ -41,7 +41,7 @@ BAD = [
     (
         "unknown estimator",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"),
-        "'k1', 'k2', 'k3', 'full', 'k1+' or 'k3+'",
+        "'k1', 'k2', 'k3', 'full', 'k1+', 'k3+' or 'abs'",
     ),
     ("negative coefficient", lambda p: p["grammar"].update(coefs=[-0.1]), "grammar.coefs"),
     ("infinite coefficient", lambda p: p["grammar"].update(coefs=[float("inf")]), "grammar.coefs.0"),
