@@ -143,10 +143,13 @@ class KLConfig(BaseModel):
                 "(0.5 is an unbiased penalty of half the strength); use placement 'both' without both_split "
                 "(coef * grad KL in total) or halve coef"
             )
-        if self.target == "old_policy_forward" and (self.placement != "loss" or self.estimator != "full"):
+        if self.target == "old_policy_forward" and (
+            self.placement != "loss" or self.estimator != "full" or self.return_to_go
+        ):
             raise ValueError(
                 "target 'old_policy_forward' (KL(pi_old || pi_theta), PaLM-rlhf-pytorch) is the exact KL in the "
-                f"loss: placement 'loss', estimator 'full' (got {self.placement!r}, {self.estimator!r})"
+                f"loss, whose gradient is already the sequence one: placement 'loss', estimator 'full', return_to_go "
+                f"false (got {self.placement!r}, {self.estimator!r}, {self.return_to_go})"
             )
         if (self.adaptive_target is None) != (self.horizon is None):
             raise ValueError(

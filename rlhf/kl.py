@@ -34,6 +34,8 @@ sum_t c_t k_t equal the loss-side aggregate, so that one coefficient means the s
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -343,3 +345,121 @@ def controller(kc: KLConfig) -> AdaptiveKLController | FixedKLController:
     if kc.adaptive_target is None:
         return FixedKLController(kc.coef)
     return AdaptiveKLController(kc.coef, kc.adaptive_target, kc.horizon)
+
+
+# --- the contract: what every accepted combination's expected gradient is -----------------------------------------
+
+
+class Contract(NamedTuple):
+    """One row of CONTRACT: the combinations it covers (a field's tuple lists the values it matches) and the
+    expected gradient of the KL term per unit coefficient, on the per-sequence scale (aggregation
+    seq-mean-token-sum; every other aggregation multiplies it by its weight a, the same in both places: token-mean
+    and seq-mean-token-mean 1/L at a fixed length L, seq-mean-token-sum-norm 1/T; at variable lengths token-mean is
+    a ratio estimator, 1/L-bar in the large-batch limit, and seq-mean-token-mean weights response y by 1/L_y).
+    ``on_key``/``off_key`` name the exact quantity it equals (tests/rlhf/test_kl_contracts.py computes each by
+    exact enumeration): 'seq' grad KL(P_pi || P_target) over whole responses; 'tok' sum_t E[grad KL_t] with the
+    prefix held fixed (prefixes from the sampling policy); 'tok_fwd' the same for KL_t(target || pi); 'zero';
+    '' when it is the row's per-sample formula and nothing cleaner (the tests check the formula then)."""
+
+    placement: tuple[str, ...]
+    estimator: tuple[str, ...]
+    is_weight: bool
+    return_to_go: bool
+    target: tuple[str, ...]
+    algorithm: tuple[str, ...]  # rlhf.config ALGORITHMS and 'dr_grpo' (grpo with PPOConfig.dr_grpo)
+    on_policy: str
+    off_policy: str
+    source: str
+    on_key: str
+    off_key: str
+
+
+_ALL_ALGOS = ("ppo", "reinforce_pp", "rloo", "grpo", "dr_grpo")
+_RETURNS = ("ppo", "reinforce_pp", "rloo")  # credit sum_{t' >= t} k (ppo: critic aside) or the leave-one-out sum
+_REF, _OLD = ("reference",), ("old_policy",)
+_STALE = "the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only"
+CONTRACT: tuple[Contract, ...] = (
+    # loss side: the advantages never touch it, so every algorithm
+    Contract(("loss",), ("k1",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "0: no regularisation (E[s_t] = 0)", "E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old",
+             "Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3", "zero", ""),
+    Contract(("loss",), ("k2", "k1+", "k3+"), False, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok: per-position grad KL(pi || target), no future-KL term", "biased: E_old[sum_t delta_t s_t]",
+             "Tang & Munos 2025; verl core_algos.kl_penalty 'k1+'/'k3+'", "tok", ""),
+    Contract(("loss",), ("k3",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "per-position grad KL(target || pi): the forward KL, no future term",
+             "biased: E_old[sum_t (1 - r_t) s_t]", "GRPO (arXiv 2402.03300) eq. 4; Tang & Munos 2025", "tok_fwd", ""),
+    Contract(("loss",), ("abs",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "biased: E[sum_t sign(delta_t) s_t], not a KL gradient", "biased: E_old[sum_t sign(delta_t) s_t]",
+             "verl core_algos.kl_penalty 'abs'", "", ""),
+    Contract(("loss",), ("full",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok: exact per-position grad KL_t, no future term", "g_tok at prefixes from pi_old",
+             "Amini et al. 2025 (the pathwise half)", "tok", "tok"),
+    Contract(("loss",), ("full",), False, False, ("old_policy_forward",), _ALL_ALGOS,
+             "0 (grad KL(pi_old || pi) at pi = pi_old)",
+             "grad KL(P_old || P_pi) over whole responses, exactly (its expectation is under pi_old)",
+             "lucidrains/PaLM-rlhf-pytorch ppo.py masked_kl_div(old, new)", "tok_fwd", "tok_fwd"),
+    Contract(("loss",), ("k1", "k3"), True, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok (w_t (delta_t + 1) s_t, w_t delta_t s_t)", "g_tok at prefixes from pi_old: w corrects the token",
+             "DeepSeek-V3.2 (arXiv 2512.02556); TRL use_bias_correction_kl", "tok", "tok"),
+    Contract(("loss",), ("k2", "k1+", "k3+"), True, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok (sg(w_t) delta_t s_t)", "g_tok at prefixes from pi_old",
+             "RPG, Zhang et al. 2025 (arXiv 2505.17508): detached ratio", "tok", "tok"),
+    Contract(("loss",), ("k2", "k1+", "k3+", "full"), False, True, _REF + _OLD, _ALL_ALGOS,
+             "g_seq: grad KL(P_pi || P_target) over whole responses, exactly",
+             "biased: E_old[sum_t (per-token term + F_t) s_t], F_t = sum_{t' > t} delta_t' (full: KL_t')",
+             "Tang & Munos 2025; FRPO (arXiv 2601.10201)", "seq", ""),
+    Contract(("loss",), ("k1", "k3", "k2", "k1+", "k3+"), True, True, _REF + _OLD, _ALL_ALGOS,
+             "g_seq exactly", "g_tok at pi_old prefixes + E_old[sum_t w_t s_t F_t]: the future KL sampled from pi_old",
+             "Tang & Munos 2025 with the IS weight", "seq", ""),
+    # reward side: credit through the returns (ppo with the critic neutralised, reinforce_pp) or the group baseline
+    Contract(("reward",), ("k1",), False, False, _REF, _RETURNS,
+             "g_seq exactly (REINFORCE on the sequence KL; RLOO's leave-one-out baseline has mean 0)",
+             f"E_old[sum_t w_t s_t sum_(t'>=t) k1_t']: {_STALE}", "Ziegler et al. 2019 eq. 2; RLOO arXiv 2402.14740",
+             "seq", ""),
+    Contract(("reward",), ("k2", "k3", "abs"), False, False, _REF, _RETURNS,
+             "biased: E[sum_t s_t sum_(t'>=t) k_t'] (k3 in the reward: Comedy; collapses here)",
+             f"biased: E_old[sum_t w_t s_t sum_(t'>=t) k_t']: {_STALE}", "Shah et al. 2025 (arXiv 2512.21852)", "", ""),
+    Contract(("reward",), ("k1", "k2", "k3", "abs"), False, False, _REF, ("dr_grpo",),
+             "(G - 1)/G times the ppo row (the group mean includes the response itself)",
+             "(G - 1)/G times the ppo row's off-policy formula", "Dr. GRPO (arXiv 2503.20783) eq. 3", "", ""),
+    Contract(("reward", "both"), ("k1", "k2", "k3", "abs", "full"), False, False, _REF + _OLD, ("grpo",),
+             "biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c of an "
+             "aggregation cancels in that division when the score is constant)",
+             "the same with pi_old's samples", "DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms", "", ""),
+    Contract(("reward",), ("k1", "k2", "k3", "abs"), False, False, _OLD, _RETURNS + ("dr_grpo",),
+             "0: the KL to the rollout policy is 0 at rollout",
+             "E_old[sum_t w_t s_t sum_(t'>=t) k_t'(pi || pi_old)], re-measured before each later epoch",
+             "lucidrains/PaLM-rlhf-pytorch 0.2 (KL subtracted from the reward)", "zero", ""),
+    # both: the reward half gives the score-function part (and the future KL), the loss half the pathwise part
+    Contract(("both",), ("k1", "k3"), False, False, _REF, _RETURNS,
+             "g_seq exactly: E[(k + dk/dlog pi) s] = grad KL_t, the future KL through the returns",
+             f"reward half {_STALE}; loss half as its loss row off-policy", "Shah et al. 2025; verl (both)", "seq", ""),
+    Contract(("both",), ("full",), False, False, _REF, _RETURNS,
+             "g_seq exactly: g_tok from the loss, the future KL from the returns",
+             "g_tok at pi_old prefixes + E_old[sum_t w_t s_t sum_(t'>t) KL_t'(pi_old)]",
+             "Amini et al. 2025 (Rao-Blackwellised KL)", "seq", ""),
+    Contract(("both",), ("k2",), False, False, _REF, _RETURNS,
+             "biased: E[(delta^2/2 + delta) s] per position plus the k2 future term", "biased (formula)",
+             "Shah et al. 2025", "", ""),
+    Contract(("both",), ("k1", "k2", "k3", "full"), False, False, _REF, ("dr_grpo",),
+             "not g_seq: the reward half at (G - 1)/G, the loss half at 1", "formula", "Dr. GRPO; this table", "", ""),
+    Contract(("both",), ("k1", "k2", "k3", "full"), False, False, _OLD, _RETURNS + ("dr_grpo",),
+             "0 (both halves vanish at pi = pi_old)", "the reward row's re-measured formula + the loss row's",
+             "PaLM-rlhf-pytorch (both versions at once)", "zero", ""),
+)  # fmt: skip
+
+
+def contract_rows(kc: KLConfig, algorithm: str) -> list[Contract]:
+    """The CONTRACT rows that cover ``kc`` under ``algorithm`` ('dr_grpo' for grpo with dr_grpo); exactly one for
+    every accepted combination (tests/rlhf/test_kl_contracts.py enumerates them all from the schema)."""
+    return [
+        row
+        for row in CONTRACT
+        if kc.placement in row.placement
+        and kc.estimator in row.estimator
+        and kc.is_weight == row.is_weight
+        and kc.return_to_go == row.return_to_go
+        and kc.target in row.target
+        and algorithm in row.algorithm
+    ]
