@@ -424,8 +424,8 @@ CONTRACT: tuple[Contract, ...] = (
              "(G - 1)/G times the ppo row (the group mean includes the response itself)",
              "(G - 1)/G times the ppo row's off-policy formula", "Dr. GRPO (arXiv 2503.20783) eq. 3", "", ""),
     Contract(("reward", "both"), ("k1", "k2", "k3", "abs", "full"), False, False, _REF + _OLD, ("grpo",),
-             "biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c of an "
-             "aggregation cancels in that division when the score is constant)",
+             "biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c "
+             "of an aggregation cancels in that division when the score is constant)",
              "the same with pi_old's samples", "DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms", "", ""),
     Contract(("reward",), ("k1", "k2", "k3", "abs"), False, False, _OLD, _RETURNS + ("dr_grpo",),
              "0: the KL to the rollout policy is 0 at rollout",

@@ -25,7 +25,8 @@ from torch import nn
 from rlhf import kl as K
 from rlhf import ppo
 from rlhf.algorithms import ALGORITHMS, AdvantageParams
-from rlhf.config import AGGREGATIONS, ALGORITHMS as ALGORITHM_NAMES, ESTIMATORS, TARGETS, KLConfig, PPOConfig
+from rlhf.config import AGGREGATIONS, ESTIMATORS, TARGETS, KLConfig, PPOConfig
+from rlhf.config import ALGORITHMS as ALGORITHM_NAMES
 
 D = torch.float64
 T, WORDS, V, G = 3, (2, 3, 4), 5, 2  # length, response tokens, vocabulary (BOS, EOS, words), group size
