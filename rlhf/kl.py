@@ -25,11 +25,106 @@ Placements (``placement_coefs``; the coefficient of each side):
             `actor.use_kl_loss`.
     both:   kl_coef in each place (verl), or split: both_split * kl_coef in the reward, the rest in the loss.
 Aggregation of the KL term (``aggregate``, ``reward_weights``), verl ``loss_agg_mode`` names, over a batch of B:
-    token-mean           sum_bt m k / sum_bt m                 native for the loss
-    seq-mean-token-sum   (1/B) sum_b sum_t m k                 native for the reward (per-token sum via returns)
-    seq-mean-token-mean  (1/B) sum_b (sum_t m k / L_b)
-In the reward an aggregation is the per-token weight c_t that makes the batch mean of the per-sequence penalties
-sum_t c_t k_t equal the loss-side aggregate, so that one coefficient means the same strength in both places.
+    token-mean           sum_bt m k / sum_bt m                 native (the policy loss's own aggregation)
+    seq-mean-token-sum   (1/B) sum_b sum_t m k
+    seq-mean-token-mean  (1/B) sum_b (sum_t m k / L_b)          DeepSeekMath eq. 3's per-response mean
+In the reward an aggregation is a per-token weight c_t = a_mode / a_pg, constant in a response (a: the aggregation's
+weights, ``aggregation_weights``; pg: the policy loss's aggregation): the penalty reaches s_t through the returns
+with the policy loss's weight, so one coefficient means the same strength in both places for every aggregation.
+
+Contract: the expected gradient of every accepted combination (``CONTRACT``; ``contract_rows`` finds a config's
+row; tests/rlhf/test_kl_contracts.py checks every row on- and off-policy by exact enumeration, and that every
+combination the schema accepts has exactly one row). Per unit coefficient, per-sequence scale (other aggregations
+multiply by their weight). With KL_t = KL(pi(.|y<t) || target(.|y<t)) and F_t = sum_{t'>t} delta_t':
+g_seq = grad KL(P_pi || P_target) over whole responses = g_tok + g_fut; g_tok = E[sum_t grad KL_t] (prefix fixed);
+g_fut = E[sum_t s_t sum_{t'>t} KL_t']. Refused (one line naming the keys, rlhf/config.py): full in the reward alone
+(g_fut only), return_to_go with k1/k3 unweighted or outside placement loss, is_weight outside placement loss or
+with full/abs, k1+/k3+/abs in both places, both_split, old_policy_forward other than exact KL in the loss.
+ 1. loss | k1 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : 0: no regularisation (E[s_t] = 0)
+    off: E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old
+    src: Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3
+ 2. loss | k2, k1+, k3+ | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok: per-position grad KL(pi || target), no future-KL term
+    off: biased: E_old[sum_t delta_t s_t]
+    src: Tang & Munos 2025; verl core_algos.kl_penalty 'k1+'/'k3+'
+ 3. loss | k3 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : per-position grad KL(target || pi): the forward KL, no future term
+    off: biased: E_old[sum_t (1 - r_t) s_t]
+    src: GRPO (arXiv 2402.03300) eq. 4; Tang & Munos 2025
+ 4. loss | abs | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : biased: E[sum_t sign(delta_t) s_t], not a KL gradient
+    off: biased: E_old[sum_t sign(delta_t) s_t]
+    src: verl core_algos.kl_penalty 'abs'
+ 5. loss | full | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok: exact per-position grad KL_t, no future term
+    off: g_tok at prefixes from pi_old
+    src: Amini et al. 2025 (the pathwise half)
+ 6. loss | full | - | target old_policy_forward | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : 0 (grad KL(pi_old || pi) at pi = pi_old)
+    off: grad KL(P_old || P_pi) over whole responses, exactly (its expectation is under pi_old)
+    src: lucidrains/PaLM-rlhf-pytorch ppo.py masked_kl_div(old, new)
+ 7. loss | k1, k3 | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok (w_t (delta_t + 1) s_t, w_t delta_t s_t)
+    off: g_tok at prefixes from pi_old: w corrects the token
+    src: DeepSeek-V3.2 (arXiv 2512.02556); TRL use_bias_correction_kl
+ 8. loss | k2, k1+, k3+ | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok (sg(w_t) delta_t s_t)
+    off: g_tok at prefixes from pi_old
+    src: RPG, Zhang et al. 2025 (arXiv 2505.17508): detached ratio
+ 9. loss | k2, k1+, k3+, full | return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_seq: grad KL(P_pi || P_target) over whole responses, exactly
+    off: biased: E_old[sum_t (per-token term + F_t) s_t], F_t = sum_{t' > t} delta_t' (full: KL_t')
+    src: Tang & Munos 2025; FRPO (arXiv 2601.10201)
+10. loss | k1, k3, k2, k1+, k3+ | is_weight + return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo,
+    grpo, dr_grpo
+    on : g_seq exactly
+    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t F_t]: the future KL sampled from pi_old
+    src: Tang & Munos 2025 with the IS weight
+11. reward | k1 | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly (REINFORCE on the sequence KL; RLOO's leave-one-out baseline has mean 0)
+    off: E_old[sum_t w_t s_t sum_(t'>=t) k1_t']: the reward's KL values are the rollout policy's (stale), the ratio
+         w_t corrects the token only
+    src: Ziegler et al. 2019 eq. 2; RLOO arXiv 2402.14740
+12. reward | k2, k3, abs | - | target reference | ppo, reinforce_pp, rloo
+    on : biased: E[sum_t s_t sum_(t'>=t) k_t'] (k3 in the reward: Comedy; collapses here)
+    off: biased: E_old[sum_t w_t s_t sum_(t'>=t) k_t']: the reward's KL values are the rollout policy's (stale), the
+         ratio w_t corrects the token only
+    src: Shah et al. 2025 (arXiv 2512.21852)
+13. reward | k1, k2, k3, abs | - | target reference | dr_grpo
+    on : (G - 1)/G times the ppo row (the group mean includes the response itself)
+    off: (G - 1)/G times the ppo row's off-policy formula
+    src: Dr. GRPO (arXiv 2503.20783) eq. 3
+14. reward/both | k1, k2, k3, abs, full | - | target reference, old_policy | grpo
+    on : biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c of an
+         aggregation cancels in that division when the score is constant)
+    off: the same with pi_old's samples
+    src: DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms
+15. reward | k1, k2, k3, abs | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
+    on : 0: the KL to the rollout policy is 0 at rollout
+    off: E_old[sum_t w_t s_t sum_(t'>=t) k_t'(pi || pi_old)], re-measured before each later epoch
+    src: lucidrains/PaLM-rlhf-pytorch 0.2 (KL subtracted from the reward)
+16. both | k1, k3 | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly: E[(k + dk/dlog pi) s] = grad KL_t, the future KL through the returns
+    off: reward half the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only;
+         loss half as its loss row off-policy
+    src: Shah et al. 2025; verl (both)
+17. both | full | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly: g_tok from the loss, the future KL from the returns
+    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t sum_(t'>t) KL_t'(pi_old)]
+    src: Amini et al. 2025 (Rao-Blackwellised KL)
+18. both | k2 | - | target reference | ppo, reinforce_pp, rloo
+    on : biased: E[(delta^2/2 + delta) s] per position plus the k2 future term
+    off: biased (formula)
+    src: Shah et al. 2025
+19. both | k1, k2, k3, full | - | target reference | dr_grpo
+    on : not g_seq: the reward half at (G - 1)/G, the loss half at 1
+    off: formula
+    src: Dr. GRPO; this table
+20. both | k1, k2, k3, full | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
+    on : 0 (both halves vanish at pi = pi_old)
+    off: the reward row's re-measured formula + the loss row's
+    src: PaLM-rlhf-pytorch (both versions at once)
 """
 
 from __future__ import annotations
@@ -463,3 +558,30 @@ def contract_rows(kc: KLConfig, algorithm: str) -> list[Contract]:
         and kc.target in row.target
         and algorithm in row.algorithm
     ]
+
+
+def contract_text(width: int = 116) -> str:
+    """CONTRACT as the plain-text table of this module's docstring (tests check that the two agree)."""
+    import textwrap
+
+    out = []
+    for i, r in enumerate(CONTRACT, 1):
+        opts = [o for o, on in (("is_weight", r.is_weight), ("return_to_go", r.return_to_go)) if on] or ["-"]
+        head = f"{i:>2}. {'/'.join(r.placement)} | {', '.join(r.estimator)} | {' + '.join(opts)} | "
+        head += f"target {', '.join(r.target)} | {', '.join(r.algorithm)}"
+        out += textwrap.wrap(head, width, subsequent_indent="    ")
+        for tag, text in (("on ", r.on_policy), ("off", r.off_policy), ("src", r.source)):
+            out += textwrap.wrap(f"{tag}: {text}", width, initial_indent="    ", subsequent_indent="         ")
+    return "\n".join(out)
+
+
+def contract_markdown() -> str:
+    """CONTRACT as the README's markdown table."""
+    rows = ["| # | placement | estimator | options | target | algorithm | on-policy | off-policy (π_old ≠ π) | src |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for i, r in enumerate(CONTRACT, 1):
+        opts = " + ".join(o for o, on in (("is_weight", r.is_weight), ("return_to_go", r.return_to_go)) if on) or "–"
+        cells = [str(i), "/".join(r.placement), ", ".join(r.estimator), opts, ", ".join(r.target),
+                 ", ".join(r.algorithm), r.on_policy, r.off_policy, r.source]  # fmt: skip
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

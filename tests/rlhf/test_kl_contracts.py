@@ -330,3 +330,10 @@ def test_report_worst_deviation():
         print(f"\ncontract: {len(K.CONTRACT)} rows x 2 regimes = {len(WORST)} tests over {len(COMBOS)} combinations; "
               f"worst relative deviation {max(WORST.values()):.2e}")  # fmt: skip
         assert max(WORST.values()) < TOL and not math.isnan(max(WORST.values()))
+
+
+def test_the_table_in_the_docstring_and_the_readme_is_contract():
+    from pathlib import Path
+
+    assert K.contract_text() in K.__doc__
+    assert K.contract_markdown() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
