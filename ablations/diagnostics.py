@@ -35,7 +35,7 @@ METRICS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bia
 REGIMES = ("on_policy", "off_policy", "on_policy_own", "off_policy_own")
 # the arm's spec as cell_axes (pipelines/ppo.py) writes it into summary.json; "-" or absent = off
 SPEC = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "return_to_go",
-        "both_split", "ref_sync_every", "ref_sync_alpha")  # fmt: skip
+        "both_split", "ref_sync_every", "ref_sync_alpha", "kl_clamp")  # fmt: skip
 PLACEMENT_ORDER = ("reward", "loss", "both")
 OFF = ("-", "", None, False, "False", "false")  # how a switched-off option appears in summary.json / runs.csv
 
