@@ -51,8 +51,9 @@ class KLConfig(BaseModel):
     arm, whatever its target, estimator or moving reference).
 
     Variants (each off by default; ``rlhf.kl`` applies each in one function):
-        estimator 'k1+'/'k3+'  straight-through: value of k1/k3, gradient of k2 (verl)     loss side only
-        is_weight              loss-side k times pi_theta/sg(pi_old) (DeepSeek-V3.2)       loss side only
+        estimator 'k1+'/'k3+'  straight-through: value of k1/k3, gradient of k2 (verl)     placement loss
+        is_weight              loss-side k times pi_theta/sg(pi_old) for k1, k3 (DeepSeek-V3.2), times the
+                               detached ratio for k2, k1+, k3+ (RPG); placement loss only
         aggregation            token-mean | seq-mean-token-sum | seq-mean-token-mean for the KL term; None =
                                placement-native (reward: per-token sum along the sequence, loss: token-mean)
         both_split             refused: the reward and loss halves of one estimator add up to grad KL only at the

@@ -199,3 +199,12 @@ def test_copies_share_parameters_with_their_optimizer(ppo_setup):
     moved, moved_opt = copy.deepcopy((policy, opt))
     assert all(a is b for a, b in zip(moved.parameters(), moved_opt.param_groups[0]["params"]))
     assert all(p in moved_opt.state for p in moved.parameters())
+
+
+def test_moving_reference_is_judged_against_its_own_target_too(ppo_setup):
+    """Issue 18: an arm with a moving reference gets rows against the frozen SFT model and against its own target."""
+    kl = dict(placement="reward", estimator="k1", ref_sync_every=1, ref_sync_alpha=0.5)
+    out = run_diagnostics(ppo_setup, kl, diagnostics=diag(at=(2,)))
+    frozen, own = rows_by_regime(out), rows_by_regime(out, "own")
+    assert set(own) == set(frozen) == {"on_policy", "off_policy"}
+    assert own["on_policy"]["true_norm"] != pytest.approx(frozen["on_policy"]["true_norm"], rel=1e-3)

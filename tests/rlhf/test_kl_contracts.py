@@ -76,7 +76,7 @@ def tables():
 # --- the code's expected gradient ---------------------------------------------------------------------------------
 
 
-def code_gradient(kc: KLConfig, algo: str, theta, old, ref) -> torch.Tensor:
+def code_gradient(kc: KLConfig, algo: str, theta, old, ref, **ppo_options) -> torch.Tensor:
     """E over batches of the gradient of ppo.minibatch_loss at theta with batches sampled from ``old``, per response
     and on the per-sequence scale (a mean aggregation multiplied by T)."""
     algorithm, dr = ("grpo", True) if algo == "dr_grpo" else (algo, False)
@@ -103,6 +103,7 @@ def code_gradient(kc: KLConfig, algo: str, theta, old, ref) -> torch.Tensor:
         algorithm=algorithm, iterations=1, batch_size=n, group_size=g_eff, minibatch_size=n, epochs=1, lr=1e-3,
         adam_eps=1e-5, temperature=1.0, gamma=1.0, lam=1.0, cliprange=1e6, cliprange_value=1.0, vf_coef=0.0,
         whiten_rewards=False, missing_eos_score=None, eval_every=1, eval_seed=0, seed=0, kl=kc, dr_grpo=dr,
+        **ppo_options,
     )  # fmt: skip
     reward_coef, loss_coef = K.placement_coefs(kc, 1.0)
     with torch.no_grad():
@@ -337,3 +338,20 @@ def test_the_table_in_the_docstring_and_the_readme_is_contract():
 
     assert K.contract_text() in K.__doc__
     assert K.contract_markdown() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(ratio_level="sequence"), dict(cliprange_high=0.28, dual_clip=3.0), dict(pg_aggregation="seq-mean-token-mean"),
+     dict(entropy_coef=None)],
+)  # fmt: skip
+@pytest.mark.parametrize("kl", [dict(placement="reward", estimator="k1"), dict(placement="both", estimator="k3")])
+def test_policy_loss_options_keep_the_on_policy_contract(tables, options, kl):
+    """On-policy (ratio 1, nothing clipped) GSPO's sequence ratio, clip-higher, dual-clip and a per-response policy
+    aggregation leave the exact rows exact: the KL gradient is still g_seq (the KL's native aggregation follows
+    pg_aggregation, equal in both places). Off-policy they change the reward side's weighting (not in CONTRACT)."""
+    theta, ref = tables["theta"], tables["ref"]
+    kc = KLConfig(target="reference", coef=1.0, **kl)
+    got = code_gradient(kc, "ppo", theta, theta, ref, **options)
+    want = expected(kc, "ppo", theta, theta, ref)["seq"]
+    assert (got - want).norm().item() < TOL * want.norm().item()
