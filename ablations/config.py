@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator, model_validator
 
-from rlhf.config import Aggregation, Algorithm, Estimator, KLConfig, PPOConfig, Target
+from rlhf.config import Aggregation, Algorithm, Estimator, KLConfig, PGAggregation, PPOConfig, RatioLevel, Target
 
 PARAMS_FILE = Path("params.yaml")
 STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -143,7 +143,10 @@ class Arm(BaseModel):
     controller, supply it), optionally under another algorithm than the task's ``ppo.algorithm``.
 
     Every field but target, placement and estimator is an option that is off when absent (rlhf/config.py
-    KLConfig documents each, with its source); ``algorithm``/``group_size`` replace the task's ppo values."""
+    KLConfig documents each, with its source; rlhf/kl.py's CONTRACT gives each accepted combination's expected
+    gradient). The fields of PPO_OVERRIDES replace the task's ppo values for this arm (rlhf/config.py PPOConfig:
+    algorithm, group_size, clip-higher, dual-clip, GSPO's sequence ratio, entropy bonus, policy-loss aggregation,
+    Dr. GRPO)."""
 
     model_config = STRICT
     target: Target
@@ -155,10 +158,17 @@ class Arm(BaseModel):
     aggregation: Aggregation | None = None
     both_split: FiniteFloat | None = None
     return_to_go: bool = False
+    kl_clamp: FiniteFloat | None = None
     ref_sync_every: int | None = None
     ref_sync_alpha: FiniteFloat | None = None
     algorithm: Algorithm | None = None
     group_size: int | None = None
+    cliprange_high: FiniteFloat | None = None
+    dual_clip: FiniteFloat | None = None
+    ratio_level: RatioLevel | None = None
+    entropy_coef: FiniteFloat | None = None
+    pg_aggregation: PGAggregation | None = None
+    dr_grpo: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -179,7 +189,16 @@ class Arm(BaseModel):
         return {k: v for k in PPO_OVERRIDES if (v := getattr(self, k)) is not None}
 
 
-PPO_OVERRIDES = ("algorithm", "group_size")
+PPO_OVERRIDES = (
+    "algorithm",
+    "group_size",
+    "cliprange_high",
+    "dual_clip",
+    "ratio_level",
+    "entropy_coef",
+    "pg_aggregation",
+    "dr_grpo",
+)
 
 
 class MatchedParams(BaseModel):

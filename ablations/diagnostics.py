@@ -2,7 +2,8 @@
 
 Input: the rows of every run's diagnostics.csv (ablations.load.load_diagnostics), one per run, checkpoint iteration
 and regime (``on_policy``; ``off_policy`` after the arm's own epochs x minibatches - 1 updates), with the metrics of
-rlhf/diagnostics.py (its docstring defines them): cosine (of the mean estimate) and cosine_minibatch (mean over
+rlhf/diagnostics.py (its docstring defines them): cosine (of the mean estimate: the bias-only cosine, read beside
+its noise floor cosine_noise_floor) and cosine_minibatch (mean over
 single minibatches) with the true gradient g*, scale <g-hat, g*>/|g*|^2, rel_bias |g-hat - g*|/|g*| with its
 noise floor rel_bias_noise and the excess over it rel_bias_excess, and rel_var tr Var(g_m)/|g*|^2.
 
@@ -29,11 +30,12 @@ from ablations import stats as S
 from ablations.load import BASELINE
 from rlhf.config import ALGORITHMS, ESTIMATORS, TARGETS
 
-METRICS = ("cosine", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise", "rel_bias_excess", "rel_var")
-REGIMES = ("on_policy", "off_policy")
+METRICS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
+           "rel_bias_excess", "rel_var")  # fmt: skip
+REGIMES = ("on_policy", "off_policy", "on_policy_own", "off_policy_own")
 # the arm's spec as cell_axes (pipelines/ppo.py) writes it into summary.json; "-" or absent = off
 SPEC = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "return_to_go",
-        "both_split", "ref_sync_every", "ref_sync_alpha")  # fmt: skip
+        "both_split", "ref_sync_every", "ref_sync_alpha", "kl_clamp")  # fmt: skip
 PLACEMENT_ORDER = ("reward", "loss", "both")
 OFF = ("-", "", None, False, "False", "false")  # how a switched-off option appears in summary.json / runs.csv
 
@@ -49,10 +51,22 @@ def arm_spec(runs: pd.DataFrame) -> pd.DataFrame:
     return kl[["arm", *cols]].reset_index(drop=True)
 
 
+def own_regimes(diag: pd.DataFrame) -> pd.DataFrame:
+    """Rows judged against the arm's own target (``against`` 'own': moving reference, old policy) get the regime
+    '<regime>_own'; rows against the frozen reference (and rows written before ``against`` existed) keep theirs."""
+    if "against" not in diag.columns or diag.empty:
+        return diag
+    own = diag.against.astype(str) == "own"
+    return diag.assign(regime=diag.regime.where(~own, diag.regime.astype(str) + "_own"))
+
+
 def instance_values(diag: pd.DataFrame) -> pd.DataFrame:
     """Per (arm, regime, instance): the NaN-ignoring mean of each metric over the instance's rows, the number of rows
     and of runs, and the off-policy updates."""
+    diag = own_regimes(diag)
     d = diag[diag.arm != BASELINE]
+    missing = [m for m in METRICS if m not in d.columns]  # rows written before a metric existed
+    d = d.assign(**dict.fromkeys(missing, np.nan))
     if d.empty:
         return pd.DataFrame(columns=["arm", "regime", "instance", *METRICS, "rows", "runs", "updates"])
     g = d.groupby(["arm", "regime", "instance"], sort=False)
@@ -86,6 +100,7 @@ def table(diag: pd.DataFrame, runs: pd.DataFrame, level: float) -> pd.DataFrame:
     iv = instance_values(diag)
     if iv.empty:
         return pd.DataFrame()
+    diag = own_regimes(diag)
     specs = {r["arm"]: r for r in arm_spec(runs).to_dict("records")}
     d = diag[diag.arm != BASELINE]
     rows = []

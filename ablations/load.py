@@ -157,8 +157,8 @@ def spec_of(row: dict) -> dict[str, str]:
 DIAGNOSTICS_FILE = "diagnostics.csv"
 # what rlhf/diagnostics.py writes per row (pipelines/ppo.py: one row per checkpoint iteration and regime)
 DIAGNOSTIC_COLUMNS = (
-    "iteration", "regime", "updates", "cosine", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
-    "rel_bias_excess", "rel_var", "true_norm", "true_rel_se",
+    "iteration", "regime", "updates", "strength", "against", "cosine", "cosine_noise_floor", "cosine_minibatch",
+    "scale", "rel_bias", "rel_bias_noise", "rel_bias_excess", "rel_var", "true_norm", "true_rel_se",
 )  # fmt: skip
 RUN_TAGS = ("task", "kind", "instance", "seed", "arm", "level", "stage")
 

@@ -147,8 +147,11 @@ def diagnostic_lines(tr: TaskResults, p) -> list[str]:
         "",
         "Scale 1 is the true gradient's strength per unit coefficient; a relative bias of 1 is no closer to the true "
         "gradient than a zero gradient; the noise floor (mean) is the relative bias that sampling noise alone would "
-        "give, and *beyond noise* removes it. The cosine of the mean estimate does not shrink for a mean-zero "
-        "estimator (its mean is noise); the one-minibatch cosine and the scale do.",
+        "give, and *beyond noise* removes it. The cosine of the mean estimate is the bias-only cosine: an unbiased "
+        "estimator with the arm's noise would reach its noise floor, so only a cosine clearly below the floor shows "
+        "bias. The one-minibatch cosine mostly measures variance: do not rank arms by it. It does not shrink for a "
+        "mean-zero estimator (its mean is noise); the scale does. Regimes ending in _own judge the arm against its "
+        "own target (moving reference, or the rollout policy for target old_policy) instead of the frozen SFT model.",
     ]
     if common:
         L += ["", f"Common to every row: {common}."]

@@ -232,8 +232,9 @@ def methods(tr, p: AnalysisParams) -> list[str]:
 SPEC_NAMES = {"algorithm": "algorithm", "group_size": "group", "target": "target", "placement": "placement",
               "estimator": "estimator", "is_weight": "IS weight", "aggregation": "aggregation",
               "return_to_go": "return-to-go", "both_split": "both split", "ref_sync_every": "ref. sync every",
-              "ref_sync_alpha": "ref. sync α"}  # fmt: skip
-DIAGNOSTIC_COLUMNS = {"cosine": "cosine", "cosine_minibatch": "cosine, one minibatch", "scale": "scale",
+              "ref_sync_alpha": "ref. sync α", "kl_clamp": "KL clamp"}  # fmt: skip
+DIAGNOSTIC_COLUMNS = {"cosine": "cosine (bias only)", "cosine_noise_floor": "its noise floor",
+                      "cosine_minibatch": "cosine, one minibatch", "scale": "scale",
                       "rel_bias": "rel. bias", "rel_bias_excess": "rel. bias beyond noise",
                       "rel_var": "rel. variance (one minibatch)"}  # fmt: skip
 

@@ -42,11 +42,13 @@ ARMS = [
         dict(placement="loss", estimator="k2", return_to_go=True, aggregation="seq-mean-token-sum"),
     ),
     ("both k3", dict(placement="both", estimator="k3")),
-    ("both k3 split 1/2", dict(placement="both", estimator="k3", both_split=0.5)),
     ("both k2", dict(placement="both", estimator="k2")),
+    ("both full", dict(placement="both", estimator="full")),  # issue 18: the exact form (both_split is refused)
+    ("loss k3 IS +rtg", dict(placement="loss", estimator="k3", is_weight=True, return_to_go=True)),
 ]
 ALGORITHMS = [("ppo", 1), ("grpo", 8)]
-COLUMNS = ("cosine", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise", "rel_bias_excess", "rel_var")
+COLUMNS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise", "rel_bias_excess",
+           "rel_var")  # fmt: skip
 
 
 def warm_policy(params, task, grammar, sft_model, reward_model, iterations: int, device):

@@ -50,11 +50,18 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+ISSUE18_PPO_OPTIONS = ("cliprange_high", "dual_clip", "ratio_level", "entropy_coef", "pg_aggregation", "dr_grpo")
+
+
 def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     """What identifies a cell in summary.json, runs.csv and MLflow tags: task, kind, instance, seed, arm, its
     strength (coef; kl_target for matched cells), the algorithm and the arm's KL spec as flat fields."""
-    kl = cell.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
-    spec = {"algorithm": cfg.algorithm, "group_size": cfg.group_size, **kl}
+    # options added by issue 18 appear only when on, so a cell without them keeps its summary.json byte for byte
+    kl = cell.kl.model_dump(
+        exclude={"coef", "adaptive_target", "horizon"} | ({"kl_clamp"} if cell.kl.kl_clamp is None else set())
+    )
+    on = {k: v for k in ISSUE18_PPO_OPTIONS if (v := getattr(cfg, k)) not in (None, False, "token")}
+    spec = {"algorithm": cfg.algorithm, "group_size": cfg.group_size, **kl, **on}
     coef = cell.kl.coef if cell.arm != "none" else 0.0
     return {
         "task": cell.task,

@@ -37,6 +37,7 @@ class AdvantageParams(NamedTuple):
     lam: float
     group_size: int
     normalize: bool  # whiten (ppo, reinforce_pp) / divide by the group std (grpo); False for diagnostics
+    group_std: bool = True  # grpo: divide by the group std when normalize; False = Dr. GRPO (arXiv 2503.20783)
 
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, AdvantageParams], tuple]
@@ -90,10 +91,12 @@ def ppo_advantages(rewards, values, mask, p: AdvantageParams):
 
 def grpo_advantages(rewards, values, mask, p: AdvantageParams):
     """A_i = (R_i - mean_G R) / (std_G R + 1e-6), std with Bessel's correction as torch.std in verl and TRL,
-    broadcast over the response's tokens; (b, t), None. ``values`` is ignored (no critic)."""
+    broadcast over the response's tokens; (b, t), None. ``values`` is ignored (no critic). Without
+    ``group_std`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783 eq. 3 / verl ``norm_adv_by_std_in_grpo: False``)
+    A_i = R_i - mean_G R = (G - 1)/G (R_i - mean_{j != i} R_j)."""
     r = _groups(rewards, mask, p.group_size)  # (n, G)
     a = r - r.mean(1, keepdim=True)
-    if p.normalize:
+    if p.normalize and p.group_std:
         a = a / (r.std(1, keepdim=True) + GRPO_EPS)
     return a.reshape(-1, 1) * mask, None
 

@@ -20,10 +20,14 @@ its coefficient, on one minibatch:
                  GRPO the group-centred and RLOO the leave-one-out sequence KL. Left out: the critic's baseline,
                  reward whitening, advantage whitening and GRPO's std division (they depend on the score too) and
                  the ratio clipping (it depends on the sign of the total advantage);
-    both         reward share * reward side + loss share * loss side (``placement_coefs``: 1 + 1, or f + (1 - f)).
-Scale: every token mean on the way (a mean aggregation of the KL, the policy-gradient loss's token mean, a
-reward-side mean aggregation) is multiplied by its batch's mean response length (``kl.per_sequence_factor``),
-which turns a token mean exactly into a per-sequence sum: estimates are on the scale of grad S for every arm.
+    both         reward side + loss side (``placement_coefs``: coef in each place).
+Scale: per unit coefficient, as the loop applies it, then divided by the aggregation's nominal strength
+``strength`` (reported): 1 for seq-mean-token-sum, 1 / L-bar for token-mean and seq-mean-token-mean (L-bar: the mean
+response length over all the regime's estimate batches, one constant), 1 / T for seq-mean-token-sum-norm. The
+constant puts every arm on the scale of grad S without making two aggregations equal: before issue 18 each
+minibatch's token mean was multiplied by that minibatch's own mean length, which turned it exactly into the
+per-sequence sum, so token-mean and seq-mean-token-sum arms gave identical estimates on the same batch. Now a
+token-mean estimate is a ratio (sum over the minibatch / its token count) and differs from the sum.
 
 Regimes. ``on_policy``: minibatches of fresh samples from the current policy. ``off_policy``: a copy of the
 policy (with its value model and optimizer state) takes the arm's own epochs x minibatches - 1 updates on the
@@ -32,11 +36,16 @@ the estimate uses fresh samples of the rollout policy pi_old evaluated there, th
 Each estimate uses one minibatch (minibatch_size responses) of an independently sampled batch (batch_size, for
 the batch-level parts: group baselines, reward aggregation).
 
-Reported per regime, with g-hat the mean of the ``n_minibatches`` estimates and g* the true gradient:
-    cosine            cos(g-hat, g*); NaN when g-hat is 0 (e.g. a KL to the old policy, on-policy). For an
-                      estimator with mean 0 (k1 in the loss) g-hat is pure noise and its cosine does not shrink
-                      with more minibatches: read scale and cosine_minibatch, which do go to 0
-    cosine_minibatch  mean over minibatches of cos(g_m, g*): the alignment of one step's KL gradient
+Reported per regime and per ``against`` (the frozen SFT ``reference``; and ``own``, the arm's own target when it
+differs: the moving reference, or the rollout policy for target old_policy), with g-hat the mean of the
+``n_minibatches`` estimates and g* the true gradient:
+    cosine            cos(g-hat, g*), the bias-only cosine (noise averages out over minibatches); NaN when g-hat
+                      is 0 (e.g. a KL to the old policy, on-policy). Read it with cosine_noise_floor: an unbiased
+                      estimator with this arm's scale and noise would reach about that value, so only a cosine
+                      clearly below the floor shows bias
+    cosine_noise_floor  s |g*| / sqrt(s^2 |g*|^2 + tr Var(g_m) / M + s^2 tr Var(g*-estimate)), s = scale
+    cosine_minibatch  mean over minibatches of cos(g_m, g*): one step's alignment, which mostly measures the
+                      estimator's variance (do not rank arms by it)
     scale             <g-hat, g*> / |g*|^2: strength along the true gradient per unit coefficient
     rel_bias          |g-hat - g*| / |g*|;  rel_bias_noise: its expected value from sampling noise alone,
                       sqrt(tr Var(g_m) / n_minibatches + tr Var(g*-estimate)) / |g*|;  rel_bias_excess:
@@ -76,6 +85,7 @@ def arm_kl_surrogate(cfg: PPOConfig, policy, traj, mb: torch.Tensor) -> torch.Te
     coefficient and on the per-sequence scale (module docstring). ``traj``: an ``rlhf.ppo.Trajectory``."""
     kc = cfg.kl
     reward_share, loss_share = K.placement_coefs(kc, 1.0)
+    pg_mode = cfg.pg_mode
     mask = traj.mask[mb]
     logits = response_logits(policy, traj.prompts[mb], traj.responses[mb], cfg.temperature)  # (m, t, V)
     logprobs = logprobs_from_logits(logits, traj.responses[mb])  # (m, t)
@@ -83,16 +93,14 @@ def arm_kl_surrogate(cfg: PPOConfig, policy, traj, mb: torch.Tensor) -> torch.Te
     total = torch.zeros((), device=mask.device)
     if loss_share is not None:
         terms = K.loss_kl_terms(kc, logprobs, traj.logprobs[mb], target_logprobs[mb], logits, target_logits[mb], mask)
-        mode = K.aggregation_of(kc, "loss")
-        total = total + loss_share * K.aggregate(terms, mask, mode) * K.per_sequence_factor(mask, mode)
+        total = total + loss_share * K.aggregate(terms, mask, K.aggregation_of(kc, pg_mode))
     if reward_share is not None:
-        kl_reward = K.reward_kl(kc, traj.logprobs, target_logprobs, traj.logits, target_logits, traj.mask)  # (b, t)
+        kl_reward = K.reward_kl(kc, traj.logprobs, target_logprobs, traj.logits, target_logits, traj.mask, pg_mode)
         kl_rewards = K.reward_penalty(kl_reward, 1.0, traj.mask)
-        params = AdvantageParams(cfg.gamma, 1.0, cfg.group_size, normalize=False)
+        params = AdvantageParams(cfg.gamma, 1.0, cfg.group_size, normalize=False)  # (b, t) credit below
         credit, _ = ALGORITHMS[cfg.algorithm].advantages(kl_rewards, torch.zeros_like(kl_rewards), traj.mask, params)
         ratio = torch.exp(logprobs - traj.logprobs[mb])
-        pg = -K.masked_mean(ratio * credit[mb], mask) * K.per_sequence_factor(mask, "token-mean")
-        total = total + reward_share * pg * K.per_sequence_factor(traj.mask, K.aggregation_of(kc, "reward"))
+        total = total - reward_share * K.aggregate(ratio * credit[mb], mask, pg_mode)
     return total
 
 
@@ -128,12 +136,19 @@ def compare(estimates: torch.Tensor, truth: torch.Tensor, truth_var: float) -> d
     mean = estimates.mean(0)
     norm2 = truth.dot(truth).item()
     norm = math.sqrt(norm2)
+    if norm2 == 0.0:  # e.g. the KL to the old policy, on-policy: nothing to compare with
+        keys = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise")
+        return {**dict.fromkeys(keys + ("rel_bias_excess", "rel_var"), float("nan")), "true_norm": 0.0,
+                "true_rel_se": float("nan")}  # fmt: skip
     est_var = estimates.var(0).sum().item()
     cos = lambda a: a.dot(truth).item() / (a.norm().item() * norm) if a.norm().item() > 0 else float("nan")
     bias = (mean - truth).norm().item() / norm
     noise = math.sqrt(est_var / len(estimates) + truth_var) / norm
+    s = mean.dot(truth).item() / norm2
+    floor = abs(s) * norm / math.sqrt(s * s * norm2 + est_var / len(estimates) + s * s * truth_var) if s else 0.0
     return {
         "cosine": cos(mean),
+        "cosine_noise_floor": floor,
         "cosine_minibatch": sum(cos(e) for e in estimates) / len(estimates),
         "scale": mean.dot(truth).item() / norm2,
         "rel_bias": bias,
@@ -145,38 +160,56 @@ def compare(estimates: torch.Tensor, truth: torch.Tensor, truth_var: float) -> d
     }
 
 
-def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen) -> torch.Tensor:
-    """(n_minibatches, P): the arm's estimate at ``policy``, each on one minibatch of a fresh batch of
-    ``sampling_policy``'s responses."""
+def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen) -> tuple[torch.Tensor, float]:
+    """((n_minibatches, P), strength): the arm's estimate at ``policy``, each on one minibatch of a fresh batch of
+    ``sampling_policy``'s responses, divided by the aggregation's nominal strength (module docstring)."""
     params = list(policy.parameters())
-    rows = []
+    rows, tokens = [], 0.0
     for _ in range(cfg.diagnostics.n_minibatches):
         traj = sample(sampling_policy, cfg.batch_size, gen)
         mb = torch.randperm(cfg.batch_size, generator=gen, device=traj.mask.device)[: cfg.minibatch_size]
         rows.append(flat_grad(arm_kl_surrogate(cfg, policy, traj, mb), params))
-    return torch.stack(rows)
+        tokens += traj.mask[mb].sum().item()
+    strength = nominal_strength(K.aggregation_of(cfg.kl, cfg.pg_mode), tokens / (len(rows) * cfg.minibatch_size),
+                                traj.mask.shape[1])  # fmt: skip
+    return torch.stack(rows) / strength, strength
+
+
+def nominal_strength(mode: str, mean_length: float, width: int) -> float:
+    """Per-sequence strength of one unit of coefficient under aggregation ``mode``: 1 (seq-mean-token-sum),
+    1 / mean_length (token-mean, seq-mean-token-mean), 1 / width (seq-mean-token-sum-norm)."""
+    return {"seq-mean-token-sum": 1.0, "seq-mean-token-sum-norm": 1.0 / width}.get(mode, 1.0 / max(mean_length, 1.0))
 
 
 def gradient_diagnostics(
     policy, value_model, opt, ref_policy, train_prompts, task: Task, cfg: PPOConfig, iteration: int,
-    sample: Callable, updates: Callable,
+    sample: Callable, updates: Callable, train_ref=None,
 ) -> list[dict]:  # fmt: skip
     """The diagnostic rows (on-policy, and off-policy when the arm takes more than one update per batch) at
     ``iteration``. ``sample(policy, n, generator)`` runs steps 1-2 of the loop for n responses;
     ``updates(policy, value_model, opt, g=generator, max_steps=n)`` takes the loop's first n updates on the
-    iteration's batch. Works on copies with its own generator: the run itself is unchanged."""
+    iteration's batch. ``train_ref``: the moving reference (None: the frozen one). Works on copies with its own
+    generator: the run itself is unchanged. Rows against the frozen reference first (``against`` 'reference'),
+    then, for a moving reference or target old_policy, against the arm's own target (``against`` 'own')."""
     d = cfg.diagnostics
     gen = torch.Generator(device=train_prompts.device).manual_seed(d.seed * 1_000_003 + iteration)
-    truth_at = lambda pol: true_gradient(pol, ref_policy, train_prompts, task, cfg.temperature, d.n_true, gen)
+    truth_at = lambda pol, to: true_gradient(pol, to, train_prompts, task, cfg.temperature, d.n_true, gen)
+    own = {"old_policy": copy.deepcopy(policy), "reference": train_ref}.get(cfg.kl.target)
+    own = None if own is ref_policy else own  # old_policy_forward: judged against the frozen reference only
     base = {"iteration": iteration}
-    truth, truth_var = truth_at(policy)
-    est = arm_estimates(cfg, policy, policy, sample, gen)
-    rows = [{**base, "regime": "on_policy", "updates": 0, **compare(est, truth, truth_var)}]
     n_updates = cfg.epochs * (cfg.batch_size // cfg.minibatch_size) - 1
+    regimes = [("on_policy", 0, policy)]
     if n_updates > 0:
         moved, moved_value, moved_opt = copy.deepcopy((policy, value_model, opt))
         updates(moved, moved_value, moved_opt, g=gen, max_steps=n_updates)
-        truth, truth_var = truth_at(moved)
-        est = arm_estimates(cfg, moved, policy, sample, gen)
-        rows.append({**base, "regime": "off_policy", "updates": n_updates, **compare(est, truth, truth_var)})
+        regimes.append(("off_policy", n_updates, moved))
+    rows = []
+    for regime, n, pol in regimes:
+        truth, truth_var = truth_at(pol, ref_policy)
+        est, strength = arm_estimates(cfg, pol, policy, sample, gen)
+        row = {**base, "regime": regime, "updates": n, "strength": strength}
+        rows.append({**row, "against": "reference", **compare(est, truth, truth_var)})
+        if own is not None and not (regime == "on_policy" and cfg.kl.target == "old_policy"):  # there 0 exactly
+            truth, truth_var = truth_at(pol, own)
+            rows.append({**row, "against": "own", **compare(est, truth, truth_var)})
     return rows

@@ -25,22 +25,117 @@ Placements (``placement_coefs``; the coefficient of each side):
             `actor.use_kl_loss`.
     both:   kl_coef in each place (verl), or split: both_split * kl_coef in the reward, the rest in the loss.
 Aggregation of the KL term (``aggregate``, ``reward_weights``), verl ``loss_agg_mode`` names, over a batch of B:
-    token-mean           sum_bt m k / sum_bt m                 native for the loss
-    seq-mean-token-sum   (1/B) sum_b sum_t m k                 native for the reward (per-token sum via returns)
-    seq-mean-token-mean  (1/B) sum_b (sum_t m k / L_b)
-In the reward an aggregation is the per-token weight c_t that makes the batch mean of the per-sequence penalties
-sum_t c_t k_t equal the loss-side aggregate, so that one coefficient means the same strength in both places.
+    token-mean           sum_bt m k / sum_bt m                 native (the policy loss's own aggregation)
+    seq-mean-token-sum   (1/B) sum_b sum_t m k
+    seq-mean-token-mean  (1/B) sum_b (sum_t m k / L_b)          DeepSeekMath eq. 3's per-response mean
+In the reward an aggregation is a per-token weight c_t = a_mode / a_pg, constant in a response (a: the aggregation's
+weights, ``aggregation_weights``; pg: the policy loss's aggregation): the penalty reaches s_t through the returns
+with the policy loss's weight, so one coefficient means the same strength in both places for every aggregation.
+
+Contract: the expected gradient of every accepted combination (``CONTRACT``; ``contract_rows`` finds a config's
+row; tests/rlhf/test_kl_contracts.py checks every row on- and off-policy by exact enumeration, and that every
+combination the schema accepts has exactly one row). Per unit coefficient, per-sequence scale (other aggregations
+multiply by their weight). With KL_t = KL(pi(.|y<t) || target(.|y<t)) and F_t = sum_{t'>t} delta_t':
+g_seq = grad KL(P_pi || P_target) over whole responses = g_tok + g_fut; g_tok = E[sum_t grad KL_t] (prefix fixed);
+g_fut = E[sum_t s_t sum_{t'>t} KL_t']. Refused (one line naming the keys, rlhf/config.py): full in the reward alone
+(g_fut only), return_to_go with k1/k3 unweighted or outside placement loss, is_weight outside placement loss or
+with full/abs, k1+/k3+/abs in both places, both_split, old_policy_forward other than exact KL in the loss.
+ 1. loss | k1 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : 0: no regularisation (E[s_t] = 0)
+    off: E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old
+    src: Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3
+ 2. loss | k2, k1+, k3+ | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok: per-position grad KL(pi || target), no future-KL term
+    off: biased: E_old[sum_t delta_t s_t]
+    src: Tang & Munos 2025; verl core_algos.kl_penalty 'k1+'/'k3+'
+ 3. loss | k3 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : per-position grad KL(target || pi): the forward KL, no future term
+    off: biased: E_old[sum_t (1 - r_t) s_t]
+    src: GRPO (arXiv 2402.03300) eq. 4; Tang & Munos 2025
+ 4. loss | abs | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : biased: E[sum_t sign(delta_t) s_t], not a KL gradient
+    off: biased: E_old[sum_t sign(delta_t) s_t]
+    src: verl core_algos.kl_penalty 'abs'
+ 5. loss | full | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok: exact per-position grad KL_t, no future term
+    off: g_tok at prefixes from pi_old
+    src: Amini et al. 2025 (the pathwise half)
+ 6. loss | full | - | target old_policy_forward | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : 0 (grad KL(pi_old || pi) at pi = pi_old)
+    off: grad KL(P_old || P_pi) over whole responses, exactly (its expectation is under pi_old)
+    src: lucidrains/PaLM-rlhf-pytorch ppo.py masked_kl_div(old, new)
+ 7. loss | k1, k3 | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok (w_t (delta_t + 1) s_t, w_t delta_t s_t)
+    off: g_tok at prefixes from pi_old: w corrects the token
+    src: DeepSeek-V3.2 (arXiv 2512.02556); TRL use_bias_correction_kl
+ 8. loss | k2, k1+, k3+ | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_tok (sg(w_t) delta_t s_t)
+    off: g_tok at prefixes from pi_old
+    src: RPG, Zhang et al. 2025 (arXiv 2505.17508): detached ratio
+ 9. loss | k2, k1+, k3+, full | return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
+    on : g_seq: grad KL(P_pi || P_target) over whole responses, exactly
+    off: biased: E_old[sum_t (per-token term + F_t) s_t], F_t = sum_{t' > t} delta_t' (full: KL_t')
+    src: Tang & Munos 2025; FRPO (arXiv 2601.10201)
+10. loss | k1, k3, k2, k1+, k3+ | is_weight + return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo,
+    grpo, dr_grpo
+    on : g_seq exactly
+    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t F_t]: the future KL sampled from pi_old
+    src: Tang & Munos 2025 with the IS weight
+11. reward | k1 | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly (REINFORCE on the sequence KL; RLOO's leave-one-out baseline has mean 0)
+    off: E_old[sum_t w_t s_t sum_(t'>=t) k1_t']: the reward's KL values are the rollout policy's (stale), the ratio
+         w_t corrects the token only
+    src: Ziegler et al. 2019 eq. 2; RLOO arXiv 2402.14740
+12. reward | k2, k3, abs | - | target reference | ppo, reinforce_pp, rloo
+    on : biased: E[sum_t s_t sum_(t'>=t) k_t'] (k3 in the reward: Comedy; collapses here)
+    off: biased: E_old[sum_t w_t s_t sum_(t'>=t) k_t']: the reward's KL values are the rollout policy's (stale), the
+         ratio w_t corrects the token only
+    src: Shah et al. 2025 (arXiv 2512.21852)
+13. reward | k1, k2, k3, abs | - | target reference | dr_grpo
+    on : (G - 1)/G times the ppo row (the group mean includes the response itself)
+    off: (G - 1)/G times the ppo row's off-policy formula
+    src: Dr. GRPO (arXiv 2503.20783) eq. 3
+14. reward/both | k1, k2, k3, abs, full | - | target reference, old_policy | grpo
+    on : biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c of an
+         aggregation cancels in that division when the score is constant)
+    off: the same with pi_old's samples
+    src: DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms
+15. reward | k1, k2, k3, abs | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
+    on : 0: the KL to the rollout policy is 0 at rollout
+    off: E_old[sum_t w_t s_t sum_(t'>=t) k_t'(pi || pi_old)], re-measured before each later epoch
+    src: lucidrains/PaLM-rlhf-pytorch 0.2 (KL subtracted from the reward)
+16. both | k1, k3 | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly: E[(k + dk/dlog pi) s] = grad KL_t, the future KL through the returns
+    off: reward half the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only;
+         loss half as its loss row off-policy
+    src: Shah et al. 2025; verl (both)
+17. both | full | - | target reference | ppo, reinforce_pp, rloo
+    on : g_seq exactly: g_tok from the loss, the future KL from the returns
+    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t sum_(t'>t) KL_t'(pi_old)]
+    src: Amini et al. 2025 (Rao-Blackwellised KL)
+18. both | k2 | - | target reference | ppo, reinforce_pp, rloo
+    on : biased: E[(delta^2/2 + delta) s] per position plus the k2 future term
+    off: biased (formula)
+    src: Shah et al. 2025
+19. both | k1, k2, k3, full | - | target reference | dr_grpo
+    on : not g_seq: the reward half at (G - 1)/G, the loss half at 1
+    off: formula
+    src: Dr. GRPO; this table
+20. both | k1, k2, k3, full | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
+    on : 0 (both halves vanish at pi = pi_old)
+    off: the reward row's re-measured formula + the loss row's
+    src: PaLM-rlhf-pytorch (both versions at once)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf.config import ESTIMATORS, STRAIGHT_THROUGH, KLConfig
-
-NATIVE_AGGREGATION = {"reward": "seq-mean-token-sum", "loss": "token-mean"}
+from rlhf.config import ESTIMATORS, IS_DETACHED, STRAIGHT_THROUGH, KLConfig
 
 
 def kl_per_token(
@@ -68,6 +163,8 @@ def kl_per_token(
         return 0.5 * delta.square()
     if estimator == "k3":
         return torch.expm1(-delta) + delta
+    if estimator == "abs":  # verl `kl_penalty` 'abs'
+        return delta.abs()
     raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
 
 
@@ -77,6 +174,20 @@ def straight_through(value: torch.Tensor, grad_of: torch.Tensor) -> torch.Tensor
     verl `verl/trainer/ppo/core_algos.py` ``kl_penalty`` (estimators 'k1+', 'k3+': the value of k1/k3, the
     gradient of k2, whose on-policy expectation is the reverse-KL gradient at each position)."""
     return grad_of - grad_of.detach() + value.detach()
+
+
+def estimate(kc: KLConfig, logprobs, target_logprobs, logits=None, target_logits=None) -> torch.Tensor:
+    """The arm's per-token KL (b, t): ``kl_per_token`` of its estimator, in its target's direction, clamped.
+
+    target 'old_policy_forward' is KL(pi_old || pi_theta) = sum_v pi_old(v) (log pi_old(v) - log pi_theta(v)) at
+    each position, lucidrains/PaLM-rlhf-pytorch `palm_rlhf_pytorch/ppo.py` ``masked_kl_div(old, new)`` (full
+    only). ``kl_clamp`` = c clamps each value to [-c, c] (verl `core_algos.kl_penalty` clamps k3 to +-10,
+    OpenRLHF `compute_approx_kl` its estimators to +-10/+-20); a clamped value has no gradient."""
+    if kc.target == "old_policy_forward":
+        k = full_kl(target_logits, logits)
+    else:
+        k = kl_per_token(kc.estimator, logprobs, target_logprobs, logits, target_logits)
+    return k if kc.kl_clamp is None else k.clamp(-kc.kl_clamp, kc.kl_clamp)
 
 
 def full_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -115,47 +226,64 @@ def kl_target(kc: KLConfig, logprobs, logits, ref_logprobs, ref_logits):
 def placement_coefs(kc: KLConfig, kl_coef: float) -> tuple[float | None, float | None]:
     """(reward-side coefficient, loss-side coefficient); None where the placement has no KL.
 
-    ``both`` puts kl_coef in each place (verl allows both at once), or with ``both_split`` = f shares it:
-    f * kl_coef in the reward and (1 - f) * kl_coef in the loss. The same estimator in both places has per-sample
-    gradient (k + dk/dlog pi) s_t; for k1 (delta + 1) and k3 (delta) its on-policy expectation is the reverse-KL
-    gradient, for k2 not (Shah et al. 2025, arXiv 2512.21852); with f = 1/2 it is half of it."""
+    ``both`` puts kl_coef in each place (verl allows both at once). The same estimator in both places has
+    per-sample gradient (k + dk/dlog pi) s_t; for k1 (delta + 1) and k3 (delta) its on-policy expectation is the
+    reverse-KL gradient, with the future KL through the returns: kl_coef * grad KL in total, the same strength as
+    one placement at kl_coef (a split f / 1 - f is refused: the halves add up only at equal coefficients)."""
     reward = kl_coef if kc.placement in ("reward", "both") else None
     loss = kl_coef if kc.placement in ("loss", "both") else None
-    if kc.both_split is not None:
-        reward, loss = kc.both_split * kl_coef, (1.0 - kc.both_split) * kl_coef
     return reward, loss
 
 
-def aggregation_of(kc: KLConfig, side: str) -> str:
-    """The aggregation of the KL term on ``side`` ('reward' or 'loss'): the configured one, else the side's native
-    one (reward: seq-mean-token-sum, the per-token sum the returns accumulate; loss: token-mean)."""
-    return kc.aggregation or NATIVE_AGGREGATION[side]
+def aggregation_of(kc: KLConfig, pg_mode: str = "token-mean") -> str:
+    """The aggregation of the KL term on either side: the configured one, else the policy loss's (``pg_mode``,
+    token-mean unless PPOConfig says otherwise), which is what the reward side gets natively (its per-token
+    penalties, summed by the returns, enter the policy loss with the policy loss's weights)."""
+    return kc.aggregation or pg_mode
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Weights a (b, t) with aggregate(x, mask, mode) = sum_bt a x, verl `core_algos.agg_loss` names:
+    token-mean m / sum m;  seq-mean-token-sum m / B;  seq-mean-token-mean m / (B L_b);
+    seq-mean-token-sum-norm m / (B T), T = the padded response width (Dr. GRPO's constant, arXiv 2503.20783)."""
+    b, t = mask.shape
+    if mode == "token-mean":
+        return mask / mask.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum":
+        return mask / b
+    if mode == "seq-mean-token-mean":
+        return mask / (b * mask.sum(1, keepdim=True).clamp(min=1.0))
+    if mode == "seq-mean-token-sum-norm":
+        return mask / (b * t)
+    raise ValueError(f"unknown aggregation {mode!r}")
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Loss-side aggregation of per-token terms x (b, t) -> scalar, verl `core_algos.agg_loss` names:
-    token-mean sum m x / sum m;  seq-mean-token-sum mean_b sum_t m x;  seq-mean-token-mean mean_b (sum_t m x / L_b).
-    """
+    """Aggregation of per-token terms x (b, t) -> scalar (``aggregation_weights``): token-mean sum m x / sum m;
+    seq-mean-token-sum mean_b sum_t m x;  seq-mean-token-mean mean_b (sum_t m x / L_b);  seq-mean-token-sum-norm
+    sum m x / (B T)."""
     if mode == "token-mean":
         return masked_mean(x, mask)
     if mode == "seq-mean-token-sum":
         return (x * mask).sum(1).mean()
     if mode == "seq-mean-token-mean":
         return ((x * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (x * mask).sum() / (mask.shape[0] * mask.shape[1])
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
-def reward_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Per-token weights c (b, t) of the reward-side KL, so that mean_b sum_t c k == aggregate(k, mask, mode):
-    seq-mean-token-sum c = m (today's per-token penalty);  token-mean c = m B / sum m (per token over the batch's
-    mean length);  seq-mean-token-mean c = m / L_b (the response's mean KL, spread over its tokens)."""
-    if mode == "seq-mean-token-sum":
+def reward_weights(mask: torch.Tensor, mode: str, pg_mode: str = "token-mean") -> torch.Tensor:
+    """Per-token weights c (b, t) of the reward-side KL that give it the strength of the loss-side KL with
+    aggregation ``mode``: c = a_mode / a_pg (``aggregation_weights``), constant within a response. The reward-side
+    penalty at t' reaches s_t (t <= t') through the returns with the policy loss's weight a_pg, so its expected
+    gradient is then that of aggregate(k, mode) plus the future KL at the same weights. With mode == pg_mode
+    (native) c = m, the per-token penalty of Ziegler et al. E.g. pg token-mean: token-mean c = m;
+    seq-mean-token-sum c = m sum m / B (the mean length); seq-mean-token-mean c = m (sum m / B) / L_b."""
+    if mode == pg_mode:
         return mask
-    if mode == "token-mean":
-        return mask * (mask.shape[0] / mask.sum().clamp(min=1.0))
-    if mode == "seq-mean-token-mean":
-        return mask / mask.sum(1, keepdim=True).clamp(min=1.0)
-    raise ValueError(f"unknown aggregation {mode!r}")
+    a, a_pg = aggregation_weights(mask, mode), aggregation_weights(mask, pg_mode)
+    return torch.where(mask > 0, a / torch.where(mask > 0, a_pg, torch.ones_like(a_pg)), torch.zeros_like(a))
 
 
 def per_sequence_factor(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -170,14 +298,17 @@ def per_sequence_factor(mask: torch.Tensor, mode: str) -> torch.Tensor:
 # --- the reward side ---------------------------------------------------------------------------------------------
 
 
-def reward_kl(kc: KLConfig, logprobs, target_logprobs, logits, target_logits, mask) -> torch.Tensor | None:
+def reward_kl(
+    kc: KLConfig, logprobs, target_logprobs, logits, target_logits, mask, pg_mode: str = "token-mean"
+) -> torch.Tensor | None:
     """The KL the reward placement charges, per token and per unit coefficient: c_t * k_t (b, t) with the
-    aggregation weights c of ``reward_weights``; None when the placement has no reward side. Computed once per
-    rollout (and, for target ``old_policy`` only, again before each later epoch: ``reward_kl_remeasured``)."""
+    aggregation weights c of ``reward_weights`` (``pg_mode``: the policy loss's aggregation); None when the
+    placement has no reward side. Computed once per rollout (and, for target ``old_policy`` only, again before
+    each later epoch: ``reward_kl_remeasured``)."""
     if placement_coefs(kc, 1.0)[0] is None:
         return None
-    k = kl_per_token(kc.estimator, logprobs, target_logprobs, logits, target_logits)
-    return k * reward_weights(mask, aggregation_of(kc, "reward"))
+    k = estimate(kc, logprobs, target_logprobs, logits, target_logits)
+    return k * reward_weights(mask, aggregation_of(kc, pg_mode), pg_mode)
 
 
 def reward_kl_remeasured(kc: KLConfig) -> bool:
@@ -194,14 +325,18 @@ def reward_penalty(kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torc
 # --- the loss side -----------------------------------------------------------------------------------------------
 
 
-def importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+def importance_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, detach: bool = False) -> torch.Tensor:
     """w_t = exp(log pi_theta - sg(log pi_old)), (b, t): the weight of ``is_weight``, multiplying the loss-side k_t.
 
     DeepSeek-V3.2 (arXiv 2512.02556) "unbiased KL estimate"; TRL GRPO `use_bias_correction_kl`; OpenRLHF
-    `--algo.kl.unbiased_gradient`. For k3 the per-sample gradient of w k3 is w (k3 + 1 - r) s = w delta s, whose
-    expectation under pi_old is the reverse-KL gradient at each position, on- and off-policy; the weight carries
-    gradient even where w = 1, so it changes the on-policy gradient too."""
-    return torch.exp(logprobs - old_logprobs.detach())
+    `--algo.kl.unbiased_gradient`. For k3 the per-sample gradient of w k3 is w (k3 + 1 - r) s = w delta s, for k1
+    w (delta + 1) s, whose expectations under pi_old are the reverse-KL gradient at each position, on- and
+    off-policy; the weight carries gradient even where w = 1, so it changes the on-policy gradient too.
+    ``detach``: sg(w), for k2, k1+, k3+ whose own gradient delta s is already the target's (RPG, Zhang et al.
+    2025, arXiv 2505.17508, the detached-ratio form); a differentiable w would add w k s (k1+ x w: twice the
+    gradient off-policy, k2 x w and k3+ x w biased)."""
+    w = torch.exp(logprobs - old_logprobs.detach())
+    return w.detach() if detach else w
 
 
 def kl_return_to_go(kl: torch.Tensor, score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -224,9 +359,15 @@ def loss_kl_terms(kc: KLConfig, logprobs, old_logprobs, target_logprobs, logits,
     """Per-token loss-side KL terms (b, t) under the current policy (``logprobs`` (b, t), ``logits`` (b, t, V) carry
     the gradient; ``old_logprobs`` are the rollout's): k_t, times w_t with ``is_weight``, plus the return-to-go
     term with ``return_to_go``. Values are the (weighted) KL estimate."""
-    k = kl_per_token(kc.estimator, logprobs, target_logprobs.detach(), logits, _detach(target_logits))
-    score = importance_weight(logprobs, old_logprobs) if kc.is_weight else logprobs  # (b, t)
-    terms = score * k if kc.is_weight else k
+    k = estimate(kc, logprobs, target_logprobs.detach(), logits, _detach(target_logits))
+    if not kc.is_weight:
+        terms, score = k, logprobs  # (b, t)
+    elif kc.estimator in IS_DETACHED:  # RPG: sg(w) k; the future-KL term's score is then w s (w * log pi)
+        w = importance_weight(logprobs, old_logprobs, detach=True)
+        terms, score = w * k, w * logprobs
+    else:
+        score = importance_weight(logprobs, old_logprobs)
+        terms = score * k
     if kc.return_to_go:  # the future KL as delta_t' (k1 values) or, for 'full', the exact KL at each position
         future = k if kc.estimator == "full" else logprobs - target_logprobs.detach()
         terms = terms + kl_return_to_go(future, score, mask)
@@ -299,3 +440,148 @@ def controller(kc: KLConfig) -> AdaptiveKLController | FixedKLController:
     if kc.adaptive_target is None:
         return FixedKLController(kc.coef)
     return AdaptiveKLController(kc.coef, kc.adaptive_target, kc.horizon)
+
+
+# --- the contract: what every accepted combination's expected gradient is -----------------------------------------
+
+
+class Contract(NamedTuple):
+    """One row of CONTRACT: the combinations it covers (a field's tuple lists the values it matches) and the
+    expected gradient of the KL term per unit coefficient, on the per-sequence scale (aggregation
+    seq-mean-token-sum; every other aggregation multiplies it by its weight a, the same in both places: token-mean
+    and seq-mean-token-mean 1/L at a fixed length L, seq-mean-token-sum-norm 1/T; at variable lengths token-mean is
+    a ratio estimator, 1/L-bar in the large-batch limit, and seq-mean-token-mean weights response y by 1/L_y).
+    ``on_key``/``off_key`` name the exact quantity it equals (tests/rlhf/test_kl_contracts.py computes each by
+    exact enumeration): 'seq' grad KL(P_pi || P_target) over whole responses; 'tok' sum_t E[grad KL_t] with the
+    prefix held fixed (prefixes from the sampling policy); 'tok_fwd' the same for KL_t(target || pi); 'zero';
+    '' when it is the row's per-sample formula and nothing cleaner (the tests check the formula then)."""
+
+    placement: tuple[str, ...]
+    estimator: tuple[str, ...]
+    is_weight: bool
+    return_to_go: bool
+    target: tuple[str, ...]
+    algorithm: tuple[str, ...]  # rlhf.config ALGORITHMS and 'dr_grpo' (grpo with PPOConfig.dr_grpo)
+    on_policy: str
+    off_policy: str
+    source: str
+    on_key: str
+    off_key: str
+
+
+_ALL_ALGOS = ("ppo", "reinforce_pp", "rloo", "grpo", "dr_grpo")
+_RETURNS = ("ppo", "reinforce_pp", "rloo")  # credit sum_{t' >= t} k (ppo: critic aside) or the leave-one-out sum
+_REF, _OLD = ("reference",), ("old_policy",)
+_STALE = "the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only"
+CONTRACT: tuple[Contract, ...] = (
+    # loss side: the advantages never touch it, so every algorithm
+    Contract(("loss",), ("k1",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "0: no regularisation (E[s_t] = 0)", "E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old",
+             "Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3", "zero", ""),
+    Contract(("loss",), ("k2", "k1+", "k3+"), False, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok: per-position grad KL(pi || target), no future-KL term", "biased: E_old[sum_t delta_t s_t]",
+             "Tang & Munos 2025; verl core_algos.kl_penalty 'k1+'/'k3+'", "tok", ""),
+    Contract(("loss",), ("k3",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "per-position grad KL(target || pi): the forward KL, no future term",
+             "biased: E_old[sum_t (1 - r_t) s_t]", "GRPO (arXiv 2402.03300) eq. 4; Tang & Munos 2025", "tok_fwd", ""),
+    Contract(("loss",), ("abs",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "biased: E[sum_t sign(delta_t) s_t], not a KL gradient", "biased: E_old[sum_t sign(delta_t) s_t]",
+             "verl core_algos.kl_penalty 'abs'", "", ""),
+    Contract(("loss",), ("full",), False, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok: exact per-position grad KL_t, no future term", "g_tok at prefixes from pi_old",
+             "Amini et al. 2025 (the pathwise half)", "tok", "tok"),
+    Contract(("loss",), ("full",), False, False, ("old_policy_forward",), _ALL_ALGOS,
+             "0 (grad KL(pi_old || pi) at pi = pi_old)",
+             "grad KL(P_old || P_pi) over whole responses, exactly (its expectation is under pi_old)",
+             "lucidrains/PaLM-rlhf-pytorch ppo.py masked_kl_div(old, new)", "tok_fwd", "tok_fwd"),
+    Contract(("loss",), ("k1", "k3"), True, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok (w_t (delta_t + 1) s_t, w_t delta_t s_t)", "g_tok at prefixes from pi_old: w corrects the token",
+             "DeepSeek-V3.2 (arXiv 2512.02556); TRL use_bias_correction_kl", "tok", "tok"),
+    Contract(("loss",), ("k2", "k1+", "k3+"), True, False, _REF + _OLD, _ALL_ALGOS,
+             "g_tok (sg(w_t) delta_t s_t)", "g_tok at prefixes from pi_old",
+             "RPG, Zhang et al. 2025 (arXiv 2505.17508): detached ratio", "tok", "tok"),
+    Contract(("loss",), ("k2", "k1+", "k3+", "full"), False, True, _REF + _OLD, _ALL_ALGOS,
+             "g_seq: grad KL(P_pi || P_target) over whole responses, exactly",
+             "biased: E_old[sum_t (per-token term + F_t) s_t], F_t = sum_{t' > t} delta_t' (full: KL_t')",
+             "Tang & Munos 2025; FRPO (arXiv 2601.10201)", "seq", ""),
+    Contract(("loss",), ("k1", "k3", "k2", "k1+", "k3+"), True, True, _REF + _OLD, _ALL_ALGOS,
+             "g_seq exactly", "g_tok at pi_old prefixes + E_old[sum_t w_t s_t F_t]: the future KL sampled from pi_old",
+             "Tang & Munos 2025 with the IS weight", "seq", ""),
+    # reward side: credit through the returns (ppo with the critic neutralised, reinforce_pp) or the group baseline
+    Contract(("reward",), ("k1",), False, False, _REF, _RETURNS,
+             "g_seq exactly (REINFORCE on the sequence KL; RLOO's leave-one-out baseline has mean 0)",
+             f"E_old[sum_t w_t s_t sum_(t'>=t) k1_t']: {_STALE}", "Ziegler et al. 2019 eq. 2; RLOO arXiv 2402.14740",
+             "seq", ""),
+    Contract(("reward",), ("k2", "k3", "abs"), False, False, _REF, _RETURNS,
+             "biased: E[sum_t s_t sum_(t'>=t) k_t'] (k3 in the reward: Comedy; collapses here)",
+             f"biased: E_old[sum_t w_t s_t sum_(t'>=t) k_t']: {_STALE}", "Shah et al. 2025 (arXiv 2512.21852)", "", ""),
+    Contract(("reward",), ("k1", "k2", "k3", "abs"), False, False, _REF, ("dr_grpo",),
+             "(G - 1)/G times the ppo row (the group mean includes the response itself)",
+             "(G - 1)/G times the ppo row's off-policy formula", "Dr. GRPO (arXiv 2503.20783) eq. 3", "", ""),
+    Contract(("reward", "both"), ("k1", "k2", "k3", "abs", "full"), False, False, _REF + _OLD, ("grpo",),
+             "biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c "
+             "of an aggregation cancels in that division when the score is constant)",
+             "the same with pi_old's samples", "DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms", "", ""),
+    Contract(("reward",), ("k1", "k2", "k3", "abs"), False, False, _OLD, _RETURNS + ("dr_grpo",),
+             "0: the KL to the rollout policy is 0 at rollout",
+             "E_old[sum_t w_t s_t sum_(t'>=t) k_t'(pi || pi_old)], re-measured before each later epoch",
+             "lucidrains/PaLM-rlhf-pytorch 0.2 (KL subtracted from the reward)", "zero", ""),
+    # both: the reward half gives the score-function part (and the future KL), the loss half the pathwise part
+    Contract(("both",), ("k1", "k3"), False, False, _REF, _RETURNS,
+             "g_seq exactly: E[(k + dk/dlog pi) s] = grad KL_t, the future KL through the returns",
+             f"reward half {_STALE}; loss half as its loss row off-policy", "Shah et al. 2025; verl (both)", "seq", ""),
+    Contract(("both",), ("full",), False, False, _REF, _RETURNS,
+             "g_seq exactly: g_tok from the loss, the future KL from the returns",
+             "g_tok at pi_old prefixes + E_old[sum_t w_t s_t sum_(t'>t) KL_t'(pi_old)]",
+             "Amini et al. 2025 (Rao-Blackwellised KL)", "seq", ""),
+    Contract(("both",), ("k2",), False, False, _REF, _RETURNS,
+             "biased: E[(delta^2/2 + delta) s] per position plus the k2 future term", "biased (formula)",
+             "Shah et al. 2025", "", ""),
+    Contract(("both",), ("k1", "k2", "k3", "full"), False, False, _REF, ("dr_grpo",),
+             "not g_seq: the reward half at (G - 1)/G, the loss half at 1", "formula", "Dr. GRPO; this table", "", ""),
+    Contract(("both",), ("k1", "k2", "k3", "full"), False, False, _OLD, _RETURNS + ("dr_grpo",),
+             "0 (both halves vanish at pi = pi_old)", "the reward row's re-measured formula + the loss row's",
+             "PaLM-rlhf-pytorch (both versions at once)", "zero", ""),
+)  # fmt: skip
+
+
+def contract_rows(kc: KLConfig, algorithm: str) -> list[Contract]:
+    """The CONTRACT rows that cover ``kc`` under ``algorithm`` ('dr_grpo' for grpo with dr_grpo); exactly one for
+    every accepted combination (tests/rlhf/test_kl_contracts.py enumerates them all from the schema)."""
+    return [
+        row
+        for row in CONTRACT
+        if kc.placement in row.placement
+        and kc.estimator in row.estimator
+        and kc.is_weight == row.is_weight
+        and kc.return_to_go == row.return_to_go
+        and kc.target in row.target
+        and algorithm in row.algorithm
+    ]
+
+
+def contract_text(width: int = 116) -> str:
+    """CONTRACT as the plain-text table of this module's docstring (tests check that the two agree)."""
+    import textwrap
+
+    out = []
+    for i, r in enumerate(CONTRACT, 1):
+        opts = [o for o, on in (("is_weight", r.is_weight), ("return_to_go", r.return_to_go)) if on] or ["-"]
+        head = f"{i:>2}. {'/'.join(r.placement)} | {', '.join(r.estimator)} | {' + '.join(opts)} | "
+        head += f"target {', '.join(r.target)} | {', '.join(r.algorithm)}"
+        out += textwrap.wrap(head, width, subsequent_indent="    ")
+        for tag, text in (("on ", r.on_policy), ("off", r.off_policy), ("src", r.source)):
+            out += textwrap.wrap(f"{tag}: {text}", width, initial_indent="    ", subsequent_indent="         ")
+    return "\n".join(out)
+
+
+def contract_markdown() -> str:
+    """CONTRACT as the README's markdown table."""
+    rows = ["| # | placement | estimator | options | target | algorithm | on-policy | off-policy (π_old ≠ π) | src |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for i, r in enumerate(CONTRACT, 1):
+        opts = " + ".join(o for o, on in (("is_weight", r.is_weight), ("return_to_go", r.return_to_go)) if on) or "–"
+        cells = [str(i), "/".join(r.placement), ", ".join(r.estimator), opts, ", ".join(r.target),
+                 ", ".join(r.algorithm), r.on_policy, r.off_policy, r.source]  # fmt: skip
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

@@ -57,16 +57,34 @@ class Batch(NamedTuple):
     returns: torch.Tensor | None  # (b, t) value targets; None without a critic
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float):
-    """Clipped surrogate (Schulman et al. 2017, eq. 7) as a loss, token-mean over the mask. (b, t) -> scalars.
-
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, cliprange: float, cliprange_high: float | None = None,
+    dual_clip: float | None = None, ratio_level: str = "token", mode: str = "token-mean",
+):  # fmt: skip
+    """Clipped surrogate (Schulman et al. 2017, eq. 7) as a loss, aggregated over the mask (token-mean by default,
+    ``mode``: ``kl.aggregate``). (b, t) -> scalars. Options, off by default:
+        cliprange_high   ratio clipped to [1 - cliprange, 1 + cliprange_high] (DAPO clip-higher, arXiv 2503.14476
+                         eq. 10; verl ``clip_ratio_low/high``)
+        dual_clip = c    for A < 0 the loss is also capped at -c A: min(max(-A r, -A clip(r)), -c A) (Ye et al.
+                         2020, arXiv 1912.09729 eq. 5; verl ``clip_ratio_c`` 3)
+        ratio_level 'sequence'  GSPO (arXiv 2507.18071 eq. 7, GSPO-token eq. 13): the ratio of every token of
+                         response b is s_b = exp(sum_t m (log pi - log pi_old) / L_b), with per-token gradient
+                         sg(s_b) * pi_t / sg(pi_t), clipped as a whole
     Returns (loss, clipfrac, approxkl); approxkl = mean(ratio - 1 - log ratio), k3 of old vs new (CleanRL)."""
     logratio = logprobs - old_logprobs
+    if ratio_level == "sequence":  # (b, t): sg(s_b) pi_t / sg(pi_t)
+        seq = ((logratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)).detach()
+        logratio = seq + logprobs - logprobs.detach()
     ratio = logratio.exp()
-    losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange))
-    clipfrac = K.masked_mean(((ratio - 1.0).abs() > cliprange).float(), mask)
+    high = cliprange if cliprange_high is None else cliprange_high
+    losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high))
+    if dual_clip is not None:
+        losses = torch.where(advantages < 0, torch.min(losses, -dual_clip * advantages), losses)
+    clipfrac = K.masked_mean(((ratio < 1.0 - cliprange) | (ratio > 1.0 + high)).float(), mask)
+    if cliprange_high is None:  # today's expression, bit for bit
+        clipfrac = K.masked_mean(((ratio - 1.0).abs() > cliprange).float(), mask)
     approxkl = K.masked_mean(ratio - 1.0 - logratio, mask)
-    return K.masked_mean(losses, mask), clipfrac.detach(), approxkl.detach()
+    return K.aggregate(losses, mask, mode), clipfrac.detach(), approxkl.detach()
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float) -> torch.Tensor:
@@ -119,7 +137,7 @@ def rewards_and_advantages(traj: Trajectory, kl_reward, kl_coef: float, cfg: PPO
     rewards = rewards.scatter_add(1, (mask.sum(1).long() - 1)[:, None], traj.scores[:, None])  # (b, t)
     if cfg.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
-    params = AdvantageParams(cfg.gamma, cfg.lam, cfg.group_size, normalize=True)
+    params = AdvantageParams(cfg.gamma, cfg.lam, cfg.group_size, normalize=True, group_std=not cfg.dr_grpo)
     advantages, returns = ALGORITHMS[cfg.algorithm].advantages(rewards, traj.values, mask, params)
     return Batch(kl_reward, rewards, advantages, returns)
 
@@ -128,7 +146,7 @@ def step_kl_reward(traj: Trajectory, logprobs, logits, cfg: PPOConfig):
     """The reward-side KL of ``traj`` with the policy side given by ``logprobs``/``logits`` (the rollout's at step 4;
     the current policy's when ``reward_kl_remeasured``)."""
     target_logprobs, target_logits = K.kl_target(cfg.kl, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
-    return K.reward_kl(cfg.kl, logprobs, target_logprobs, logits, target_logits, traj.mask)
+    return K.reward_kl(cfg.kl, logprobs, target_logprobs, logits, target_logits, traj.mask, cfg.pg_mode)
 
 
 def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss_coef, cfg: PPOConfig):
@@ -138,21 +156,26 @@ def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss
     new_logits = response_logits(policy, traj.prompts[mb], traj.responses[mb], cfg.temperature)
     new_logprobs = logprobs_from_logits(new_logits, traj.responses[mb])
     pg_loss, clipfrac, approxkl = policy_loss(
-        new_logprobs, traj.logprobs[mb], batch.advantages[mb], mask, cfg.cliprange
-    )
+        new_logprobs, traj.logprobs[mb], batch.advantages[mb], mask, cfg.cliprange, cfg.cliprange_high,
+        cfg.dual_clip, cfg.ratio_level, cfg.pg_mode,
+    )  # fmt: skip
     stats = {"pg_loss": pg_loss, "clipfrac": clipfrac, "approxkl": approxkl}
     loss = pg_loss
+    if cfg.entropy_coef is not None:  # fixed entropy bonus (Schulman et al. 2017, eq. 9): loss -= c * H
+        stats["entropy"] = K.aggregate(K.entropy(new_logits), mask, cfg.pg_mode)
+        loss = loss - cfg.entropy_coef * stats["entropy"]
+        stats["entropy"] = stats["entropy"].detach()
     if value_model is not None:
         new_values = response_values(value_model, traj.prompts[mb], traj.responses[mb])
         stats["vf_loss"] = value_loss(new_values, traj.values[mb], batch.returns[mb], mask, cfg.cliprange_value)
-        loss = pg_loss + cfg.vf_coef * stats["vf_loss"]
+        loss = loss + cfg.vf_coef * stats["vf_loss"]
     if loss_coef is not None:
         kc = cfg.kl
         target_logprobs, target_logits = K.kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
         terms = K.loss_kl_terms(
             kc, new_logprobs, traj.logprobs[mb], target_logprobs[mb], new_logits, target_logits[mb], mask
         )
-        mode = K.aggregation_of(kc, "loss")
+        mode = K.aggregation_of(kc, cfg.pg_mode)
         loss = loss + K.loss_penalty(terms, loss_coef, mask, mode)
         stats["kl_loss"] = K.aggregate(terms.detach(), mask, mode)
     return loss, stats
@@ -167,6 +190,8 @@ def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cf
     stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
     if value_model is None:
         del stats["vf_loss"]
+    if cfg.entropy_coef is not None:
+        stats["entropy"] = 0.0
     steps = 0
     for epoch in range(cfg.epochs):
         if epoch > 0 and K.reward_kl_remeasured(cfg.kl):
@@ -260,7 +285,7 @@ def train_ppo(
         if cfg.diagnostics is not None and cfg.kl.placement != "none" and it in cfg.diagnostics.at:
             updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, it=it)
             diagnostics += gradient_diagnostics(
-                policy, value_model, opt, ref_policy, train_prompts, task, cfg, it, sample, updates
+                policy, value_model, opt, ref_policy, train_prompts, task, cfg, it, sample, updates, train_ref
             )
         # 7. epochs x minibatches of clipped updates (loss-side KL)
         stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, g, it)

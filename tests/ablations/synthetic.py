@@ -43,8 +43,8 @@ DIAG_UPDATES = 7  # off-policy updates of the default ppo section: 4 epochs x 2 
 def planted(cosine, scale, rel_bias, noise, rel_var, cosine_minibatch=None) -> dict[str, float]:
     """A planted diagnostic row's metrics (rel_bias_excess follows from rel_bias and its noise floor)."""
     mb = cosine / 2 if cosine_minibatch is None else cosine_minibatch
-    return dict(cosine=cosine, cosine_minibatch=mb, scale=scale, rel_bias=rel_bias, rel_bias_noise=noise,
-                rel_var=rel_var)  # fmt: skip
+    return dict(cosine=cosine, cosine_noise_floor=0.95, cosine_minibatch=mb, scale=scale, rel_bias=rel_bias,
+                rel_bias_noise=noise, rel_var=rel_var)  # fmt: skip
 
 
 # planted diagnostics with the shape of benchmarks/diagnostics.json: k1 in the reward follows the true gradient
@@ -68,8 +68,8 @@ def _diagnostics_csv(plant: dict[str, dict[str, float]], offset: float, rng) -> 
                  else x * (1 + offset + rng.normal(0, 0.01)) for m, x in metrics.items()}  # fmt: skip
             v["rel_bias_excess"] = math.sqrt(max(v["rel_bias"] ** 2 - v["rel_bias_noise"] ** 2, 0.0))
             updates = 0 if regime == "on_policy" else DIAG_UPDATES
-            rows.append({"iteration": it, "regime": regime, "updates": updates, **v, "true_norm": 3.2,
-                         "true_rel_se": 0.3})  # fmt: skip
+            rows.append({"iteration": it, "regime": regime, "updates": updates, "strength": 1.0,
+                         "against": "reference", **v, "true_norm": 3.2, "true_rel_se": 0.3})  # fmt: skip
     return pd.DataFrame(rows)
 
 

@@ -41,7 +41,7 @@ BAD = [
     (
         "unknown estimator",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"),
-        "'k1', 'k2', 'k3', 'full', 'k1+' or 'k3+'",
+        "'k1', 'k2', 'k3', 'full', 'k1+', 'k3+' or 'abs'",
     ),
     ("negative coefficient", lambda p: p["grammar"].update(coefs=[-0.1]), "grammar.coefs"),
     ("infinite coefficient", lambda p: p["grammar"].update(coefs=[float("inf")]), "grammar.coefs.0"),
@@ -152,6 +152,37 @@ BAD = [
             adaptive={"target": "reference", "placement": "loss", "estimator": "k3", "adaptive_target": 2.0}
         ),
         "grid.arms.adaptive: adaptive_target and horizon go together",
+    ),
+    # issue 18: combinations with no sound meaning, refused before any compute with the keys named
+    (
+        "exact KL in the reward alone",
+        lambda p: p["grid"]["arms"]["reward_k1"].update(estimator="full"),
+        "grid.arms.reward_k1: estimator 'full' with placement 'reward'",
+    ),
+    (
+        "return_to_go in both places",
+        lambda p: p["grid"]["arms"]["reward_k1"].update(placement="both", return_to_go=True),
+        "grid.arms.reward_k1: return_to_go is a loss-side term",
+    ),
+    (
+        "both_split",
+        lambda p: p["grid"]["arms"]["reward_k1"].update(placement="both", both_split=0.5),
+        "grid.arms.reward_k1: both_split is refused",
+    ),
+    (
+        "GSPO misspelt",
+        lambda p: p["grid"]["arms"]["loss_k3"].update(ratio_level="seq"),
+        "'token' or 'sequence'",
+    ),
+    (
+        "dr_grpo under ppo",
+        lambda p: p["grid"]["arms"]["loss_k3"].update(dr_grpo=True),
+        "grid.arms.loss_k3: dr_grpo changes GRPO's advantages: algorithm 'grpo'",
+    ),
+    (
+        "old-policy forward KL with k3",
+        lambda p: p["grid"]["arms"]["loss_k3"].update(target="old_policy_forward"),
+        "placement 'loss', estimator 'full', return_to_go false",
     ),
 ]
 

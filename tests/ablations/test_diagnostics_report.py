@@ -179,6 +179,7 @@ def test_loader_columns_are_what_the_library_writes():
 
     from rlhf.diagnostics import compare
 
-    row = {"iteration": 1, "regime": "on_policy", "updates": 0, **compare(torch.randn(3, 5), torch.randn(5), 0.1)}
+    row = {"iteration": 1, "regime": "on_policy", "updates": 0, "strength": 1.0, "against": "reference",
+           **compare(torch.randn(3, 5), torch.randn(5), 0.1)}  # fmt: skip
     assert tuple(row) == DIAGNOSTIC_COLUMNS
     assert set(G.METRICS) <= set(row)

@@ -134,11 +134,20 @@ def test_ppo_config_refuses_with_one_message(overrides, message):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(placement="reward", is_weight=True), "is_weight weights a loss-side KL: placement one of 'loss', 'both'"),
+        (dict(placement="reward", is_weight=True), "is_weight weights a loss-side KL: placement 'loss'"),
+        (dict(placement="both", is_weight=True), "is_weight weights a loss-side KL: placement 'loss'"),
+        (dict(placement="loss", estimator="abs", is_weight=True), "is_weight needs a sampled-token estimator"),
+        (dict(placement="both", estimator="k3", return_to_go=True), "return_to_go is a loss-side term"),
+        (dict(placement="loss", estimator="k3", return_to_go=True), "estimator one of 'k2', 'k1\\+', 'k3\\+', 'full'"),
+        (dict(placement="loss", estimator="k1", return_to_go=True), "is_weight true \\(got 'k1'"),
+        (dict(placement="reward", estimator="full"), "estimator 'full' with placement 'reward'"),
+        (dict(placement="both", estimator="k3+"), "counted twice"),
+        (dict(placement="loss", estimator="k3", target="old_policy_forward"), "placement 'loss', estimator 'full'"),
+        (dict(placement="reward", kl_clamp=0.0), "greater than 0"),
         (dict(placement="loss", estimator="full", is_weight=True), "is_weight needs a sampled-token estimator"),
         (dict(placement="reward", return_to_go=True), "return_to_go is a loss-side term"),
         (dict(placement="reward", estimator="k3+"), "placement one of 'loss', 'both' \\(got 'reward'\\)"),
-        (dict(placement="loss", both_split=0.5), "both_split splits coef between reward and loss: placement 'both'"),
+        (dict(placement="both", both_split=0.5), "both_split is refused"),
         (dict(placement="both", both_split=1.0), "less than 1"),
         (dict(placement="none", estimator=None, aggregation="token-mean"), "aggregation needs a KL"),
         (dict(placement="none", estimator=None, is_weight=True), "is_weight needs a KL"),
@@ -158,8 +167,12 @@ def test_klconfig_refuses_invalid_variants_with_one_message(kw, message):
     "kw",
     [
         dict(placement="loss", estimator="k3", is_weight=True, return_to_go=True, aggregation="seq-mean-token-sum"),
-        dict(placement="both", estimator="k3", both_split=0.5),
-        dict(placement="both", estimator="k1+", is_weight=True),
+        dict(placement="both", estimator="k3"),
+        dict(placement="both", estimator="full", aggregation="seq-mean-token-sum"),
+        dict(placement="loss", estimator="k1+", is_weight=True),
+        dict(placement="loss", estimator="k1", is_weight=True, return_to_go=True, kl_clamp=10.0),
+        dict(placement="loss", estimator="full", target="old_policy_forward"),
+        dict(placement="reward", estimator="abs"),
         dict(placement="reward", estimator="k1", aggregation="token-mean", ref_sync_every=10, ref_sync_alpha=0.6),
         dict(placement="loss", estimator="k2", target="old_policy", is_weight=True, return_to_go=True),
         # the controller sees the exact KL to the frozen reference whatever the target, so any arm can be steered
@@ -184,9 +197,10 @@ def _without_kl_stats(history):
 VARIANTS = [
     dict(placement="reward", estimator="k1"),
     dict(placement="loss", estimator="k3", is_weight=True, return_to_go=True, aggregation="seq-mean-token-sum"),
-    dict(placement="both", estimator="k2", both_split=0.5, aggregation="token-mean"),
-    dict(placement="reward", estimator="full", aggregation="seq-mean-token-mean", ref_sync_every=1, ref_sync_alpha=0.5),
-    dict(placement="both", estimator="k3+", target="old_policy"),
+    dict(placement="both", estimator="k2", aggregation="seq-mean-token-sum"),
+    dict(placement="both", estimator="full", aggregation="seq-mean-token-mean", ref_sync_every=1, ref_sync_alpha=0.5),
+    dict(placement="loss", estimator="k3+", target="old_policy", kl_clamp=0.05),
+    dict(placement="loss", estimator="full", target="old_policy_forward"),
 ]
 
 

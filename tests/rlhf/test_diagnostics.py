@@ -27,8 +27,8 @@ def run_diagnostics(ppo_setup, kl, **overrides):
     return train_ppo(copy.deepcopy(s.policy), *args)
 
 
-def rows_by_regime(out):
-    return {row["regime"]: row for row in out["diagnostics"]}
+def rows_by_regime(out, against="reference"):
+    return {row["regime"]: row for row in out["diagnostics"] if row["against"] == against}
 
 
 # --- the true gradient -----------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_k2_loss_with_return_to_go_is_k1_reward_sample_by_sample(ppo_setup):
     """Per sample, d/dtheta of [k2 per token + future KL as delta] summed over the response equals REINFORCE on the
     k1 reward with gamma = 1 returns: the two arms' diagnostics coincide (same samples, same seed)."""
     reward_k1 = run_diagnostics(ppo_setup, dict(placement="reward", estimator="k1"), iterations=1, diagnostics=diag())
-    loss_k2 = dict(placement="loss", estimator="k2", return_to_go=True, aggregation="seq-mean-token-sum")
+    loss_k2 = dict(placement="loss", estimator="k2", return_to_go=True)  # token-mean, as the reward side
     loss_k2 = run_diagnostics(ppo_setup, loss_k2, iterations=1, diagnostics=diag())
     on_r, on_l = rows_by_regime(reward_k1)["on_policy"], rows_by_regime(loss_k2)["on_policy"]
     assert on_r.keys() == on_l.keys()
@@ -128,7 +128,7 @@ def test_k1_in_the_loss_has_no_component_along_the_true_gradient(ppo_setup):
 
 
 def test_diagnostics_do_not_change_the_run(ppo_setup):
-    kl = dict(placement="both", estimator="k3", is_weight=True, coef=0.2)
+    kl = dict(placement="both", estimator="k3", coef=0.2)
     plain = run_diagnostics(ppo_setup, kl)
     measured = run_diagnostics(ppo_setup, kl, diagnostics=diag(at=(1, 2)))
     assert plain["history"] == measured["history"] and plain["evals"] == measured["evals"]
@@ -152,10 +152,10 @@ def test_a_run_without_kl_has_no_diagnostics_and_is_unchanged(ppo_setup):
 
 @pytest.mark.parametrize("algorithm, group_size", [("grpo", 2), ("rloo", 2), ("reinforce_pp", 1)])
 def test_diagnostics_under_critic_free_algorithms(ppo_setup, algorithm, group_size):
-    kl = dict(placement="both", estimator="k3", both_split=0.5)
+    kl = dict(placement="both", estimator="k3")
     out = run_diagnostics(ppo_setup, kl, algorithm=algorithm, group_size=group_size, diagnostics=diag())
     for row in out["diagnostics"]:
-        assert all(v == v for k, v in row.items() if k != "regime"), row  # no NaN
+        assert all(v == v for k, v in row.items() if k not in ("regime", "against")), row  # no NaN
         assert row["true_norm"] > 0 and row["rel_var"] > 0
 
 
@@ -172,6 +172,23 @@ def test_old_policy_target_has_zero_kl_gradient_on_policy(ppo_setup):
     on = rows_by_regime(out)["on_policy"]
     assert on["scale"] == 0.0 and on["cosine"] != on["cosine"] and on["rel_bias"] == pytest.approx(1.0)
     assert rows_by_regime(out)["off_policy"]["scale"] != 0.0
+    # against its own target, KL(pi || pi_old): the truth is 0 on-policy (no comparison), not off-policy
+    own = rows_by_regime(out, "own")
+    assert "on_policy" not in own and own["off_policy"]["true_norm"] > 0.0
+    assert own["off_policy"]["cosine"] > rows_by_regime(out)["off_policy"]["cosine"]
+
+
+def test_token_mean_and_sequence_sum_give_different_estimates(ppo_setup):
+    """Issue 18: the diagnostics used to rescale each minibatch's token mean by its own mean length, which made it
+    the per-sequence sum exactly; now one constant per regime (``strength``) leaves the ratio estimator visible."""
+    rows = {}
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        kl = dict(placement="loss", estimator="k2", aggregation=agg)
+        rows[agg] = rows_by_regime(run_diagnostics(ppo_setup, kl, iterations=1, diagnostics=diag(n_minibatches=4)))
+    tm, ss = rows["token-mean"]["on_policy"], rows["seq-mean-token-sum"]["on_policy"]
+    assert ss["strength"] == 1.0 and tm["strength"] < 1.0
+    assert tm["cosine_minibatch"] != pytest.approx(ss["cosine_minibatch"], rel=1e-9)
+    assert 0.0 < tm["cosine_noise_floor"] <= 1.0
 
 
 def test_copies_share_parameters_with_their_optimizer(ppo_setup):
@@ -182,3 +199,12 @@ def test_copies_share_parameters_with_their_optimizer(ppo_setup):
     moved, moved_opt = copy.deepcopy((policy, opt))
     assert all(a is b for a, b in zip(moved.parameters(), moved_opt.param_groups[0]["params"]))
     assert all(p in moved_opt.state for p in moved.parameters())
+
+
+def test_moving_reference_is_judged_against_its_own_target_too(ppo_setup):
+    """Issue 18: an arm with a moving reference gets rows against the frozen SFT model and against its own target."""
+    kl = dict(placement="reward", estimator="k1", ref_sync_every=1, ref_sync_alpha=0.5)
+    out = run_diagnostics(ppo_setup, kl, diagnostics=diag(at=(2,)))
+    frozen, own = rows_by_regime(out), rows_by_regime(out, "own")
+    assert set(own) == set(frozen) == {"on_policy", "off_policy"}
+    assert own["on_policy"]["true_norm"] != pytest.approx(frozen["on_policy"]["true_norm"], rel=1e-3)

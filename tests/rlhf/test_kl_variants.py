@@ -83,18 +83,16 @@ def test_on_policy_loss_gradients(bandit, estimator, expected):
     assert reverse.norm() > 0.1 and (reverse - forward).norm() > 0.05  # the cases are distinguishable
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k3", "k3+", "k1+"])
+@pytest.mark.parametrize("estimator", ["k1", "k3", "k3+", "k1+", "k2"])
 def test_importance_weighted_loss_kl_is_the_reverse_kl_gradient_off_policy(bandit, estimator):
     """E_{pi_old}[grad (w k)] = grad KL(pi_theta || pi_ref) at pi_old != pi_theta (DeepSeek-V3.2's estimate):
-    for k1 and k3 (w (k + dk/dlog pi) s = w delta s, plus for k1 a zero-mean w s); and for k_n+ (w (k_n + delta) s
-    - only k3+ and k1+ values differ, both have E = reverse for the same reason as k1/k3)."""
+    for k1 and k3 with a differentiable w (w (k + dk/dlog pi) s = w delta s, plus for k1 a zero-mean w s); for
+    k2, k1+, k3+ with the detached ratio (RPG): sg(w) delta s. Before issue 18 the weight was differentiable for
+    all five: k1+ x w gave exactly twice the gradient off-policy, k2 x w and k3+ x w were biased."""
     theta, ref, old = bandit
     reverse, _ = exact_kl_grads(theta, ref)
     got = expected_loss_grad(kc(estimator=estimator, is_weight=True), theta, ref, old)
-    if estimator in ("k1", "k3"):
-        torch.testing.assert_close(got, reverse, atol=1e-12, rtol=1e-10)
-    else:  # straight-through: w k_n s + w delta s; E_old = E_theta[(k_n + delta) s], not the reverse KL gradient
-        assert (got - reverse).norm() > 1e-3
+    torch.testing.assert_close(got, reverse, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("estimator", ["k2", "k3"])
@@ -136,10 +134,8 @@ def test_reward_k1_is_the_reverse_kl_gradient(bandit):
     torch.testing.assert_close(expected_reward_grad(kc(placement="reward"), theta, ref), reverse, atol=1e-12, rtol=0)
 
 
-def test_split_shares_the_coefficient():
+def test_both_puts_the_coefficient_in_each_place():
     assert K.placement_coefs(kc(placement="both"), 0.4) == (0.4, 0.4)
-    r, lo = K.placement_coefs(kc(placement="both", both_split=0.25), 0.4)
-    assert r == pytest.approx(0.1) and lo == pytest.approx(0.3)
     assert K.placement_coefs(kc(placement="reward"), 0.4) == (0.4, None)
     assert K.placement_coefs(kc(placement="loss"), 0.4) == (None, 0.4)
     assert K.placement_coefs(kc(placement="none", estimator=None), 0.4) == (None, None)
@@ -236,8 +232,7 @@ def test_sequence_kl_surrogate_is_unbiased_for_the_sequence_kl_gradient(chain):
         (dict(estimator="k3", is_weight=True, return_to_go=True), True),
         (dict(estimator="k2"), False),  # a per-token loss misses the future KL
         (dict(estimator="full"), False),
-        (dict(estimator="k1", return_to_go=True), False),  # the future KL alone; k1's own term has mean 0
-        (dict(estimator="k3", return_to_go=True), False),  # forward-KL per-token part
+        # k1 and k3 with return_to_go (the future KL alone; forward-KL per-token part) are refused by KLConfig
     ],
 )
 def test_loss_side_sequence_gradients(chain, variant, exact):
@@ -268,7 +263,7 @@ def test_both_placements_sequence_gradients(chain, estimator, exact):
     the reward side supplies the future KL with an unbiased value and the two per-token parts add to delta s."""
     theta, ref, responses = chain
     want = true_sequence_grad(theta, ref, responses)
-    config = kc(estimator=estimator, placement="both", aggregation="seq-mean-token-sum")
+    config = kc(estimator=estimator, placement="both")  # native: c = m; both helpers sum per sequence
     both = lambda *a: reward_side(config)(*a) + loss_side(config)(*a)
     got = expected_sequence_grad(both, theta, ref, responses)
     if exact:
@@ -288,26 +283,29 @@ def test_aggregations_hand_computed():
     assert K.aggregate(x, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
 
 
+@pytest.mark.parametrize("pg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_reward_weights_make_the_batch_penalty_equal_the_loss_aggregate(mode):
-    """One coefficient means the same strength in both places: mean_b sum_t c_t k_t == aggregate(k)."""
+def test_reward_weights_give_the_loss_side_strength(mode, pg_mode):
+    """One coefficient means the same strength in both places: a penalty c_t k_t credited through the returns to
+    s_t with the policy loss's weight a_pg has weight a_pg c = a_mode, the loss side's (constant in a response).
+    Before issue 18 c made the batch-mean penalty equal the loss aggregate, which ignored the policy loss's own
+    token mean: the loss half of a token-mean 'both' arm was L-bar (3.000 vs 1.000 at L = 3) times the reward's."""
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(5, 6, generator=g, dtype=D)
     mask = response_mask(torch.tensor([[2, 3, 1, 1, 1, 1], [2, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1], [3, 1, 1, 1, 1, 1],
                                        [2, 2, 2, 1, 1, 1]])).to(D)  # fmt: skip
-    c = K.reward_weights(mask, mode)
+    k = torch.randn(5, 6, generator=g, dtype=D)
+    c = K.reward_weights(mask, mode, pg_mode)
     assert ((c * (1 - mask)) == 0).all()
-    torch.testing.assert_close((c * k).sum(1).mean(), K.aggregate(k, mask, mode))
-    if mode != "seq-mean-token-mean":  # a mean aggregation times the mean length is the per-sequence sum
-        torch.testing.assert_close(
-            K.aggregate(k, mask, mode) * K.per_sequence_factor(mask, mode), (k * mask).sum(1).mean()
-        )
+    torch.testing.assert_close(c * K.aggregation_weights(mask, pg_mode), K.aggregation_weights(mask, mode))
+    torch.testing.assert_close((K.aggregation_weights(mask, mode) * k).sum(), K.aggregate(k, mask, mode))
 
 
-def test_native_aggregations_are_todays_forms():
-    assert K.aggregation_of(kc(placement="reward"), "reward") == "seq-mean-token-sum"
-    assert K.aggregation_of(kc(placement="loss"), "loss") == "token-mean"
-    assert K.aggregation_of(kc(placement="both", aggregation="seq-mean-token-mean"), "reward") == "seq-mean-token-mean"
+def test_native_aggregations_follow_the_policy_loss():
+    assert K.aggregation_of(kc(placement="reward")) == "token-mean"
+    assert K.aggregation_of(kc(placement="loss"), "seq-mean-token-sum-norm") == "seq-mean-token-sum-norm"
+    assert K.aggregation_of(kc(placement="both", aggregation="seq-mean-token-mean")) == "seq-mean-token-mean"
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(K.reward_weights(mask, "token-mean", "token-mean"), mask)  # today's per-token penalty
 
 
 def test_return_to_go_hand_computed():

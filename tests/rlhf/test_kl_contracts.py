@@ -1,0 +1,357 @@
+"""rlhf.kl.CONTRACT checked by exact enumeration: every accepted KL combination's expected gradient, computed with
+the project's own training functions, equals the row's formula and, where the row names one, its exact target.
+
+The policy is tabular (logits per response prefix; vocabulary of 3 words, responses of exactly T = 3 tokens, so all
+27 responses are enumerated with their probabilities, nothing sampled; BOS/EOS have logit -1e4, probability 0 in
+float64). The expectation over batches is exact: the batch holds every response (or, for grpo/rloo, every group of
+G = 2 responses) once, and the tabular module scales the gradient flowing into each row's logits by the row's
+probability, so that the code's aggregate (a constant denominator at a fixed length) becomes the expectation. The
+training path is the loop's: ``ppo.step_kl_reward`` -> ``kl.reward_penalty`` -> the algorithm's advantage
+function (critic and normalisation neutralised: values 0, lam 1, no whitening; grpo keeps its std unless dr_grpo)
+-> ``ppo.minibatch_loss`` (clipped surrogate with a clip range that never binds + the loss-side KL). Regimes:
+on-policy (pi_old = pi_theta) and off-policy (samples from pi_old != pi_theta, gradient at pi_theta). float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from rlhf import kl as K
+from rlhf import ppo
+from rlhf.algorithms import ALGORITHMS, AdvantageParams
+from rlhf.config import AGGREGATIONS, ESTIMATORS, TARGETS, KLConfig, PPOConfig
+from rlhf.config import ALGORITHMS as ALGORITHM_NAMES
+
+D = torch.float64
+T, WORDS, V, G = 3, (2, 3, 4), 5, 2  # length, response tokens, vocabulary (BOS, EOS, words), group size
+N_PREFIX = sum(len(WORDS) ** i for i in range(T))  # 13 prefixes of length 0..T-1
+NEG = -1e4
+ALGOS = (*ALGORITHM_NAMES, "dr_grpo")
+AGGS = (None, *AGGREGATIONS)
+TOL = 1e-9
+WORST: dict[str, float] = {}  # row x regime -> worst |code - expected| / |expected| (printed by the last test)
+
+
+def responses() -> torch.Tensor:
+    return torch.tensor(list(itertools.product(WORDS, repeat=T)))  # (27, T)
+
+
+class Tabular(nn.Module):
+    """Logits of the next token given the response prefix, one row of ``table`` (N_PREFIX, 3) per prefix; the
+    gradient into row b of the output is multiplied by ``scale[b]`` (the value is unchanged)."""
+
+    def __init__(self, table: torch.Tensor, scale: torch.Tensor | None = None):
+        super().__init__()
+        self.table, self.scale = table, scale
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, 1 + T - 1) -> (b, T, V)
+        b, length = tokens.shape
+        cols = []
+        for i in range(length):
+            digits = tokens[:, 1 : i + 1] - WORDS[0]  # (b, i)
+            code = sum((digits[:, j] * len(WORDS) ** (i - 1 - j) for j in range(i)), torch.zeros(b, dtype=torch.long))
+            cols.append(self.table[(len(WORDS) ** i - 1) // (len(WORDS) - 1) + code])
+        words = torch.stack(cols, 1)  # (b, T, 3)
+        out = torch.cat([torch.full((b, length, V - len(WORDS)), NEG, dtype=D), words], dim=-1)
+        if self.scale is not None:  # the value exactly unchanged, the gradient times scale
+            out = out.detach() + (out - out.detach()) * self.scale[:, None, None]
+        return out
+
+
+@pytest.fixture(scope="module")
+def tables():
+    g = torch.Generator().manual_seed(18)
+    theta = torch.randn(N_PREFIX, len(WORDS), generator=g, dtype=D)
+    ref = theta + 0.9 * torch.randn(N_PREFIX, len(WORDS), generator=g, dtype=D)
+    old = theta + 0.6 * torch.randn(N_PREFIX, len(WORDS), generator=g, dtype=D)
+    return {"theta": theta, "ref": ref, "old": old}
+
+
+# --- the code's expected gradient ---------------------------------------------------------------------------------
+
+
+def code_gradient(kc: KLConfig, algo: str, theta, old, ref, **ppo_options) -> torch.Tensor:
+    """E over batches of the gradient of ppo.minibatch_loss at theta with batches sampled from ``old``, per response
+    and on the per-sequence scale (a mean aggregation multiplied by T)."""
+    algorithm, dr = ("grpo", True) if algo == "dr_grpo" else (algo, False)
+    grouped = algorithm in ("grpo", "rloo")
+    ys = responses()
+    q = _seq_logprob(old, ys).exp()  # (27,)
+    if grouped:
+        idx = torch.tensor(list(itertools.product(range(len(ys)), repeat=G)))  # (27^G, G)
+        rho = q[idx].prod(1).repeat_interleave(G)
+        rows = idx.reshape(-1)
+    else:
+        rho, rows = q, torch.arange(len(ys))
+    n, g_eff = len(rows), G if grouped else 1
+    resp, prompts, mask = ys[rows], torch.zeros(len(rows), 1, dtype=torch.long), torch.ones(len(rows), T, dtype=D)
+    t = theta.clone().requires_grad_()
+    policy = Tabular(t, rho * n / g_eff)
+    with torch.no_grad():
+        logits = ppo.response_logits(Tabular(old), prompts, resp, 1.0)
+        ref_logits = ppo.response_logits(Tabular(ref), prompts, resp, 1.0)
+        logprobs, ref_lp = ppo.logprobs_from_logits(logits, resp), ppo.logprobs_from_logits(ref_logits, resp)
+    zeros = torch.zeros(n, dtype=D)
+    traj = ppo.Trajectory(prompts, resp, mask, logits, logprobs, ref_logits, ref_lp, zeros, None, zeros)
+    cfg = PPOConfig(
+        algorithm=algorithm, iterations=1, batch_size=n, group_size=g_eff, minibatch_size=n, epochs=1, lr=1e-3,
+        adam_eps=1e-5, temperature=1.0, gamma=1.0, lam=1.0, cliprange=1e6, cliprange_value=1.0, vf_coef=0.0,
+        whiten_rewards=False, missing_eos_score=None, eval_every=1, eval_seed=0, seed=0, kl=kc, dr_grpo=dr,
+        **ppo_options,
+    )  # fmt: skip
+    reward_coef, loss_coef = K.placement_coefs(kc, 1.0)
+    with torch.no_grad():
+        if K.reward_kl_remeasured(kc):  # the loop re-measures with the current policy before later epochs
+            cur = ppo.response_logits(Tabular(theta), prompts, resp, 1.0)
+            kl_reward = ppo.step_kl_reward(traj, ppo.logprobs_from_logits(cur, resp), cur, cfg)
+        else:
+            kl_reward = ppo.step_kl_reward(traj, traj.logprobs, traj.logits, cfg)
+        rewards = K.reward_penalty(kl_reward, reward_coef, mask) if kl_reward is not None else torch.zeros_like(mask)
+        params = AdvantageParams(1.0, 1.0, g_eff, normalize=algorithm == "grpo", group_std=not dr)
+        advantages, _ = ALGORITHMS[algorithm].advantages(rewards, torch.zeros_like(rewards), mask, params)
+    batch = ppo.Batch(kl_reward, rewards, advantages, None)
+    loss, _ = ppo.minibatch_loss(policy, None, traj, batch, torch.arange(n), loss_coef, cfg)
+    per_sequence = {"seq-mean-token-sum": 1.0}.get(K.aggregation_of(kc, cfg.pg_mode), float(T))
+    return torch.autograd.grad(loss, t)[0] * per_sequence
+
+
+# --- the row's formula and exact targets, by enumeration, independent of rlhf.kl and rlhf.ppo ----------------------
+
+
+def _seq_logprob(table, ys) -> torch.Tensor:
+    return _token_logprobs(table, ys).sum(1)
+
+
+def _logits(table, ys) -> torch.Tensor:
+    return Tabular(table)(torch.cat([torch.zeros(len(ys), 1, dtype=torch.long), ys[:, :-1]], 1))  # (N, T, V)
+
+
+def _token_logprobs(table, ys) -> torch.Tensor:
+    return torch.log_softmax(_logits(table, ys), -1).gather(2, ys[..., None])[..., 0]  # (N, T)
+
+
+def _kl_positions(p_table, q_table, ys) -> torch.Tensor:
+    """KL(p(.|y<t) || q(.|y<t)) at every position, (N, T), written out here (not rlhf.kl.full_kl)."""
+    lp, lq = torch.log_softmax(_logits(p_table, ys), -1), torch.log_softmax(_logits(q_table, ys), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def _value(est: str, delta: torch.Tensor) -> torch.Tensor:
+    return {"k1": delta, "k2": delta**2 / 2, "k3": torch.exp(-delta) - 1 + delta, "abs": delta.abs()}[est]
+
+
+def expected(kc: KLConfig, algo: str, theta, old, ref) -> dict[str, torch.Tensor]:
+    """{'formula': the row's per-sample formula in expectation, 'seq', 'tok', 'tok_fwd', 'zero'}: per response,
+    per unit coefficient, per-sequence scale."""
+    ys = responses()
+    target = ref if kc.target == "reference" else old
+    t = theta.clone().requires_grad_()
+    lp = _token_logprobs(t, ys)  # (N, T), with gradient
+    q = _seq_logprob(old, ys).exp()  # sampling probabilities
+    with torch.no_grad():
+        lp_v, lq, lt = lp.detach(), _token_logprobs(old, ys), _token_logprobs(target, ys)
+        delta, w = lp_v - lt, torch.exp(lp_v - lq)  # at theta; the ratio pi_theta / pi_old
+        future = lambda x: x.flip(1).cumsum(1).flip(1) - x  # sum over t' > t
+    sf = lambda f: (q[:, None] * f * lp).sum()  # E_q[sum_t f_t s_t] as a scalar whose gradient it is
+    tok = (q[:, None] * _kl_positions(t, target, ys)).sum()
+    tok_fwd = (q[:, None] * _kl_positions(target, t, ys)).sum()
+    total = torch.zeros((), dtype=D)
+    reward, loss = K.placement_coefs(kc, 1.0)
+    if loss is not None:
+        if kc.target == "old_policy_forward":
+            total = total + tok_fwd
+        elif kc.estimator == "full":
+            total = total + tok
+            if kc.return_to_go:
+                total = total + sf(future(_kl_positions(theta, target, ys)))
+        else:
+            e = kc.estimator.rstrip("+") if kc.estimator.endswith("+") else kc.estimator
+            if kc.is_weight:
+                f = w * (delta + 1) if e == "k1" else w * delta
+            else:
+                f = {"k1": torch.ones_like(delta), "k2": delta, "k3": 1 - torch.exp(-delta), "abs": delta.sign()}[
+                    "k2" if kc.estimator in ("k1+", "k3+") else e
+                ]
+            if kc.return_to_go:
+                f = f + (w if kc.is_weight else 1.0) * future(delta)
+            total = total + sf(f)
+    if reward is not None:
+        with torch.no_grad():  # the KL values the reward charges: the rollout's, or re-measured at theta
+            measured = theta if kc.target == "old_policy" else old
+            if kc.estimator == "full":
+                k = _kl_positions(measured, target, ys)
+            else:
+                k = _value(kc.estimator, _token_logprobs(measured, ys) - lt)
+            to_go = k + future(k)
+        if algo == "grpo":  # the reward weight c (T for seq-mean-token-sum at a fixed length) cancels in the std
+            c = float(T) if K.aggregation_of(kc) == "seq-mean-token-sum" else 1.0
+            total = total + _grpo_std(c * k.sum(1), w, lp, q) / c
+        else:
+            total = total + sf(w * to_go) * ((G - 1) / G if algo == "dr_grpo" else 1.0)
+    seq = (lp.sum(1).exp() * (lp.sum(1) - lt.sum(1))).sum()
+    grad = lambda x: torch.autograd.grad(x, t, retain_graph=True, allow_unused=True)[0]
+    return {"formula": grad(total), "seq": grad(seq), "tok": grad(tok), "tok_fwd": grad(tok_fwd),
+            "zero": torch.zeros_like(theta)}  # fmt: skip
+
+
+def _grpo_std(kl_sum, w, lp, q) -> torch.Tensor:
+    """E over groups of (1/G) sum_i sum_t w s_t (K_i - mean K) / (std K + 1e-6), K = the response's KL sum."""
+    idx = torch.tensor(list(itertools.product(range(len(q)), repeat=G)))  # (M, G)
+    kk = kl_sum[idx]  # (M, G)
+    a = (kk - kk.mean(1, keepdim=True)) / (kk.std(1, keepdim=True) + 1e-6)
+    per = (w * lp).sum(1)[idx]  # (M, G): sum_t w_t log pi_t (gradient sum_t w s)
+    return (q[idx].prod(1)[:, None] * a * per).sum() / G
+
+
+# --- which combinations exist ----------------------------------------------------------------------------------------
+
+
+def accepted_combinations() -> list[tuple[KLConfig, str]]:
+    """Every (KLConfig, algorithm) the schema accepts over placement x estimator x is_weight x aggregation x
+    return_to_go x target x algorithm (kl_clamp and the policy-loss options are value modifiers, tested apart)."""
+    out = []
+    for p, e, iw, agg, rtg, tgt, algo in itertools.product(
+        ("reward", "loss", "both"), ESTIMATORS, (False, True), AGGS, (False, True), TARGETS, ALGOS
+    ):
+        try:
+            kc = KLConfig(target=tgt, placement=p, estimator=e, coef=1.0, is_weight=iw, aggregation=agg,
+                          return_to_go=rtg)  # fmt: skip
+        except ValidationError:
+            continue
+        out.append((kc, algo))
+    return out
+
+
+COMBOS = accepted_combinations()
+
+
+def test_every_accepted_combination_has_exactly_one_row():
+    """A new option cannot be added without its row: every combination the schema accepts is covered once."""
+    assert len(COMBOS) > 500
+    for kc, algo in COMBOS:
+        rows = K.contract_rows(kc, algo)
+        assert len(rows) == 1, (kc, algo, rows)
+
+
+def test_every_row_covers_an_accepted_combination():
+    covered = {K.CONTRACT.index(K.contract_rows(kc, a)[0]) for kc, a in COMBOS}
+    assert covered == set(range(len(K.CONTRACT)))
+
+
+def test_refused_combinations_name_the_keys():
+    with pytest.raises(ValidationError, match="estimator 'full' with placement 'reward'"):
+        KLConfig(target="reference", placement="reward", estimator="full", coef=1.0)
+
+
+# --- one test per row and regime ---------------------------------------------------------------------------------
+
+
+def _combos_of(i: int) -> list[tuple[KLConfig, str]]:
+    return [(kc, a) for kc, a in COMBOS if K.contract_rows(kc, a)[0] is K.CONTRACT[i]]
+
+
+FIELDS = ("placement", "estimator", "is_weight", "aggregation", "return_to_go", "target")
+
+
+def _cover(combos: list[tuple[KLConfig, str]]) -> list[tuple[KLConfig, str]]:
+    """A subset in which every value of every field (and every algorithm) of the row appears at least once."""
+    seen, out = set(), []
+    for kc, algo in combos:
+        new = {(f, getattr(kc, f)) for f in FIELDS} | {("algorithm", algo)}
+        if not new <= seen:
+            seen |= new
+            out.append((kc, algo))
+    return out
+
+
+@pytest.mark.parametrize("regime", ["on_policy", "off_policy"])
+@pytest.mark.parametrize("i", range(len(K.CONTRACT)))
+def test_row_expected_gradient(tables, i, regime):
+    """Every value of every field of the row at least once (the slow test below runs every combination)."""
+    WORST[f"{i}:{regime}"] = check_row(tables, i, regime, _cover(_combos_of(i)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", ["on_policy", "off_policy"])
+@pytest.mark.parametrize("i", range(len(K.CONTRACT)))
+def test_row_expected_gradient_every_combination(tables, i, regime):
+    check_row(tables, i, regime, _combos_of(i))
+
+
+def check_row(tables, i: int, regime: str, combos) -> float:
+    """Asserts the row on ``combos`` in ``regime``; returns the worst relative deviation."""
+    row = K.CONTRACT[i]
+    theta, ref = tables["theta"], tables["ref"]
+    old = theta if regime == "on_policy" else tables["old"]
+    key = row.on_key if regime == "on_policy" else row.off_key
+    worst = 0.0
+    for kc, algo in combos:
+        got = code_gradient(kc, algo, theta, old, ref)
+        want = expected(kc, algo, theta, old, ref)
+        scale = max(want["formula"].norm().item(), 1e-3)
+        dev = (got - want["formula"]).norm().item() / scale
+        assert dev < TOL, (kc, algo, dev)
+        if key:  # the row names an exact quantity: the formula equals it
+            named = (want["formula"] - want[key]).norm().item() / max(want[key].norm().item(), 1e-3)
+            assert named < TOL, (kc, algo, key, named)
+            dev = max(dev, (got - want[key]).norm().item() / max(want[key].norm().item(), 1e-3))
+        worst = max(worst, dev)
+    return worst
+
+
+def test_biased_rows_are_biased(tables):
+    """Guards the exact ones: where a row says 'biased' on-policy, the formula is not the sequence-KL gradient."""
+    theta, ref = tables["theta"], tables["ref"]
+    for i, row in enumerate(K.CONTRACT):
+        if not row.on_policy.startswith("biased"):
+            continue
+        kc, algo = next((kc, a) for kc, a in _combos_of(i) if kc.target == "reference")
+        want = expected(kc, algo, theta, theta, ref)
+        assert (want["formula"] - want["seq"]).norm() > 1e-2 * want["seq"].norm(), (i, row.estimator)
+
+
+def test_kl_clamp_is_exact_inside_and_zero_beyond(tables):
+    theta, ref = tables["theta"], tables["ref"]
+    base = dict(target="reference", placement="loss", estimator="k3", coef=1.0, is_weight=True)
+    plain = code_gradient(KLConfig(**base), "ppo", theta, tables["old"], ref)
+    wide = code_gradient(KLConfig(**base, kl_clamp=1e6), "ppo", theta, tables["old"], ref)
+    tight = code_gradient(KLConfig(**base, kl_clamp=1e-12), "ppo", theta, tables["old"], ref)
+    assert torch.equal(plain, wide) and tight.norm() < 1e-9 * plain.norm()
+
+
+def test_report_worst_deviation():
+    """Prints rows x regimes and the worst relative deviation (run after the row tests, as pytest orders them)."""
+    if WORST:
+        print(f"\ncontract: {len(K.CONTRACT)} rows x 2 regimes = {len(WORST)} tests over {len(COMBOS)} combinations; "
+              f"worst relative deviation {max(WORST.values()):.2e}")  # fmt: skip
+        assert max(WORST.values()) < TOL and not math.isnan(max(WORST.values()))
+
+
+def test_the_table_in_the_docstring_and_the_readme_is_contract():
+    from pathlib import Path
+
+    assert K.contract_text() in K.__doc__
+    assert K.contract_markdown() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(ratio_level="sequence"), dict(cliprange_high=0.28, dual_clip=3.0), dict(pg_aggregation="seq-mean-token-mean"),
+     dict(entropy_coef=None)],
+)  # fmt: skip
+@pytest.mark.parametrize("kl", [dict(placement="reward", estimator="k1"), dict(placement="both", estimator="k3")])
+def test_policy_loss_options_keep_the_on_policy_contract(tables, options, kl):
+    """On-policy (ratio 1, nothing clipped) GSPO's sequence ratio, clip-higher, dual-clip and a per-response policy
+    aggregation leave the exact rows exact: the KL gradient is still g_seq (the KL's native aggregation follows
+    pg_aggregation, equal in both places). Off-policy they change the reward side's weighting (not in CONTRACT)."""
+    theta, ref = tables["theta"], tables["ref"]
+    kc = KLConfig(target="reference", coef=1.0, **kl)
+    got = code_gradient(kc, "ppo", theta, theta, ref, **options)
+    want = expected(kc, "ppo", theta, theta, ref)["seq"]
+    assert (got - want).norm().item() < TOL * want.norm().item()
