@@ -1,14 +1,15 @@
 """Stand-ins for the runner's tests: a cell function that only sleeps and writes a summary, and a DVC whose commit
 rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an interrupted commit leaves it cut).
 
-    python -m tests.pipelines.fakes dvc status --json   # every grid cell of ./params.yaml is stale
-    python -m tests.pipelines.fakes dvc repro ...       # does nothing
+    python -m tests.pipelines.fakes dvc status --json   # every cell of ./params.yaml (calibration too) is stale
+    python -m tests.pipelines.fakes dvc repro ...       # does nothing (the calibrate stages and the analysis)
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
-Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`), FAKE_FAST (the first
-FAKE_FAST cells of the grid take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER (``placed``),
-FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none), FAKE_FAIL (the
-upstream stage that fails).
+Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`; `dvc repro` appends its
+arguments to FAKE_DIR/repro, one call a line), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the
+calibration cells come first -- take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER
+(``placed``), FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none),
+FAKE_FAIL (the upstream stage that fails).
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ def sleepy(params, cell) -> dict:
 def placed(params, cell) -> dict:
     """A cell that records the GPU its worker was given (CUDA_VISIBLE_DEVICES; "unset" without) and the most cells
     it saw running at once, on its GPU (``peak``) and in all (``together``): each running cell drops a file, and a
-    cell stays until FAKE_TOGETHER cells are there together, no other cell can come, or 3 s have passed. Writes
-    FAKE_DIR/cell-<stage>.json."""
+    cell stays until FAKE_TOGETHER cells are there together, no other cell of its wave (calibration or evaluation)
+    can come, or 3 s have passed. Writes FAKE_DIR/cell-<stage>.json."""
     from ablations.grid import cells
 
     gpu, here = os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), Path(os.environ["FAKE_DIR"])
     me = here / f"on-{gpu}-{os.getpid()}"
     me.touch()
     peak = together = 0
-    n_cells, deadline = len(cells(params)), time.monotonic() + 3.0
+    earlier = sum(c.calibration for c in cells(params)) if not cell.calibration else 0  # cells of the first wave
+    wave = [c for c in cells(params) if c.calibration == cell.calibration]
+    n_cells, deadline = earlier + len(wave), time.monotonic() + 3.0
     while time.monotonic() < deadline:
         running = len(list(here.glob("on-*")))
         peak = max(peak, len(list(here.glob(f"on-{gpu}-*"))))
@@ -135,6 +138,9 @@ def _commit(names: list[str]) -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["commit"]:
         _commit(argv[1:])
+    elif argv[:2] == ["dvc", "repro"]:
+        with open(Path(os.environ["FAKE_DIR"]) / "repro", "a") as f:
+            f.write(" ".join(argv[2:]) + "\n")
     elif argv[:3] == ["dvc", "status", "--json"]:
         from ablations.config import load_params
         from ablations.grid import cells

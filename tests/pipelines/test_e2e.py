@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
     "grammar": {
-        "instances": [0, 1],
-        "coefs": [0.1],
-        "kl_targets": [0.05],
+        "instances": [10, 11],  # evaluation instances: one batch of analysis.sequential.batch_size
+        "calibration": {"instances": [0], "coefs": [0.03, 0.1, 0.3]},  # disjoint from the evaluation instances
+        "coefs": [],
+        "kl_targets": [],
         "task": {
             "n_words": 8,
             "n_successors": 3,
@@ -39,40 +40,49 @@ TINY = {
         "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
         "sft": {"steps": 30, "batch_size": 32, "n_heldout": 100},
         "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 20, "batch_size": 16},
-        "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
+        # lr 0.01: the no-KL runs gain gold within 4 iterations (the calibration needs a gain to scale margins by)
+        "ppo": {"iterations": 4, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1, "lr": 0.01},
     },
     "grid": {
         "arms": {
             "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
+            "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"},
+            "reward_k3": {"target": "reference", "placement": "reward", "estimator": "k3"},
             "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
         },
         "seeds": [0],
         "matched": {"init_coef": 0.1, "horizon": 100},
+        "calibration_arms": ["reward_k1", "loss_k3"],
     },
-    "arithmetic": {  # RLVR: no reward-model stage
-        "instances": [0],
-        "coefs": [0.1],
-        "kl_targets": [0.05],
-        "task": {"n_digits": 2, "max_new_tokens": 4, "n_demos": 400, "n_train_prompts": 64, "n_eval_prompts": 32},
-        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
-        "sft": {"steps": 30, "batch_size": 32, "n_heldout": 100},
-        "ppo": {"iterations": 3, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1},
-    },
-    "analysis": {"reference_arm": "reward_k1"},
+    # At this size arithmetic's no-KL runs gain no accuracy, so its calibration would refuse (no margin scale): it
+    # does not run here (tests/ablations cover its protocol; test_hf_pipeline runs its stages).
+    "arithmetic": {"instances": [], "calibration": {"instances": []}, "coefs": [], "kl_targets": []},
+    "analysis": {"reference_arm": "reward_k1", "sequential": {"batch_size": 2, "cap": 4}},
     "mlflow": {"experiment": "e2e"},
 }
-ARMS = ("reward_k1", "loss_k3")
+ARMS = ("reward_k1", "loss_k1", "reward_k3", "loss_k3")
+CAL_ARMS = ("reward_k1", "loss_k3")
+DESIGN = tuple(repo_params(TINY)["grid"]["design"])  # params.yaml's design: 8 cells per instance
 
 
-def cell_stages(instances=(0, 1), task="grammar") -> set[str]:
+def calibration_stages(instances=(0,), task="grammar") -> set[str]:
     out = set()
     for i in instances:
-        out |= {f"{task}_baseline@{i}-0"} | {f"{task}_fixed@{i}-{a}-0.1-0" for a in ARMS}
-        out |= {f"{task}_matched@{i}-{a}-0.05-0" for a in ARMS}
+        out |= {f"{task}_calibration_baseline@{i}-0"}
+        out |= {f"{task}_calibration@{i}-{a}-{c}-0" for a in CAL_ARMS for c in (0.03, 0.1, 0.3)}
     return out
 
 
-ALL_CELLS = cell_stages() | cell_stages((0,), "arithmetic")  # 10 + 5
+def cell_stages(instances=(10, 11), task="grammar") -> set[str]:
+    """The evaluation cells of these instances: the no-KL baseline and every design cell."""
+    out = set()
+    for i in instances:
+        out |= {f"{task}_baseline@{i}-0"} | {f"{task}_design@{i}-{d}-0" for d in DESIGN}
+    return out
+
+
+CAL_CELLS = calibration_stages()  # 7
+ALL_CELLS = CAL_CELLS | cell_stages()  # 7 + 18
 
 
 def stage_env(repo: Path) -> dict:
@@ -108,65 +118,153 @@ def visible_runs(repo: Path, experiment: str = "e2e") -> dict[str, list]:
     return runs
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("e2e")
+def drop_idle_tasks(repo: Path, params: dict) -> None:
+    """Removes from ``repo``'s dvc.yaml the stages of every task with no instances. Needed because dvc.yaml's
+    ``<task>_calibrate`` and ``<task>_analysis`` are plain (not matrix) stages: they exist even for a task that does
+    not run, and a plain `dvc repro` then fails on their missing inputs (runs/<task>/calibration_baseline)."""
+    from ablations.config import TASKS
+
+    idle = [t for t in TASKS if not params[t]["instances"]]
+    if not idle:
+        return
+    doc = yaml.safe_load((repo / "dvc.yaml").read_text())  # merge keys resolved
+    doc["stages"] = {k: v for k, v in doc["stages"].items() if not k.startswith(tuple(f"{t}_" for t in idle))}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=4096))
+
+
+def make_repo(repo: Path, params: dict) -> Path:
+    """A git + DVC repository in ``repo`` with this one's code (rlhf, ablations, pipelines, dvc.yaml) and ``params``."""
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     for f in files:
+        if not (REPO / f).is_file():  # deleted since git listed it (another checkout's work in progress)
+            continue
         if f.startswith(("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")) or f in (
             "dvc.yaml",
             ".gitignore",
         ):
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / f, repo / f)
-    write_params(repo, repo_params(TINY))
+    write_params(repo, params)
+    drop_idle_tasks(repo, params)
     sh(repo, "git", "init", "-q")
     sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")
     sh(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
     return repo
 
 
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    return make_repo(tmp_path_factory.mktemp("e2e"), repo_params(TINY))
+
+
+def md5(path: Path) -> str:
+    import hashlib
+
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
 def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     out = sh(repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
-    assert "3 upstream chains to build: grammar_data@0, grammar_data@1, arithmetic_data@0" in out.stdout, out.stdout
+    chains = "3 upstream chains to build: grammar_calibration_data@0, grammar_data@10, grammar_data@11"
+    assert chains in out.stdout, out.stdout
     assert "dvc.lock: recorded" in out.stdout and "Running stage 'grammar_sft" not in out.stdout  # built by the pool
-    assert "15 of 15 grid cells to run" in out.stdout
-    finished = [line for line in out.stdout.splitlines() if re.match(r"\[\d+/15\] \S+: gold ", line)]
-    assert len(finished) == 15, out.stdout  # one line per finished cell
+    assert "Running stage 'grammar_calibration_sft" not in out.stdout
+    # the calibration wave, then the calibrate stage (by DVC), then the evaluation wave
+    waves = [
+        "7 of 7 calibration cells to run",
+        "Running stage 'grammar_calibrate'",
+        "18 of 18 grid cells to run",
+        "Running stage 'grammar_analysis'",
+    ]
+    at = [out.stdout.index(w) for w in waves]
+    assert at == sorted(at), out.stdout
+    for n in (7, 18):  # one line per finished cell
+        finished = [line for line in out.stdout.splitlines() if re.match(rf"\[\d+/{n}\] \S+: gold ", line)]
+        assert len(finished) == n, out.stdout
     stats = json.loads((repo / "reports/grammar/stats.json").read_text())
-    assert stats and (repo / "reports/grammar/report.md").read_text().strip()
+    assert stats["n_runs"] == 18 and set(stats["primary"]) == {"Q1", "Q2", "Q3", "Q4"}
+    assert (repo / "reports/grammar/report.md").read_text().strip()
+    assert (repo / "reports/grammar/answer.md").read_text().strip()
     status = sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout
     assert json.loads(status or "{}") == {}, status
     again = sh(repo, sys.executable, "-m", "dvc", "repro").stdout
     assert "Running stage" not in again, again
     runs = visible_runs(repo)
-    upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (0, 1)} | {"arithmetic_sft@0"}
-    assert set(runs) == upstream | ALL_CELLS | {"grammar_analysis", "arithmetic_analysis"}  # no arithmetic_rm
-    arith = json.loads((repo / "runs/arithmetic/fixed/0-loss_k3-0.1-0/summary.json").read_text())
-    assert {"final_gold", "final_ood_gold", "final_accuracy", "final_kl"} <= set(arith) and "final_proxy" not in arith
+    upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (10, 11)}
+    upstream |= {"grammar_calibration_sft@0", "grammar_calibration_rm@0"}
+    assert set(runs) == upstream | ALL_CELLS | {"grammar_analysis"}
     assert all(len(v) == 1 and v[0].info.status == "FINISHED" for v in runs.values())
-    cell = runs["grammar_fixed@1-loss_k3-0.1-0"][0]
+    # design cells run at the values the calibration fixed (protocol/grammar.json)
+    protocol = json.loads((repo / "protocol/grammar.json").read_text())
+    assert protocol["calibration_instances"] == [0] and protocol["margins"]["gold"] > 0
+    for cell in ("reward_k1-coef", "reward_k1-control", "loss_k3-tuned", "loss_k3-target"):
+        summary = json.loads((repo / f"runs/grammar/design/10-{cell}-0/summary.json").read_text())
+        arm, role = cell.rsplit("-", 1)
+        assert summary["role"] == role and summary["arm"] == arm
+        assert summary["kind"] == ("matched" if role == "target" else "fixed")
+        if role == "target":
+            assert summary["kl_target"] == pytest.approx(protocol["kl_target"])
+        else:
+            want = {"coef": protocol["coef"], "control": protocol["control_coef"], "tuned": protocol["tuned"][arm]}
+            assert summary["coef"] == pytest.approx(want[role])
+    cell = runs["grammar_design@11-loss_k3-coef-0"][0]
     assert cell.data.params["kl.estimator"] == "k3" and cell.data.tags["placement"] == "loss"
     assert "eval/gold" in cell.data.metrics and "git_commit" in cell.data.tags
-    matched = runs["grammar_matched@0-reward_k1-0.05-0"][0]
-    assert matched.data.params["kl.adaptive_target"] == "0.05"
+    matched = runs["grammar_design@10-reward_k3-target-0"][0]
+    assert float(matched.data.params["kl.adaptive_target"]) == pytest.approx(protocol["kl_target"])
+
+
+def test_no_design_cell_can_run_before_the_calibration(repo):
+    """Every design cell depends on the calibration's output: dvc.lock records protocol/grammar.json (its md5 now)
+    in each design cell's deps, so a changed protocol makes every design cell stale and no other evaluation cell."""
+    protocol = repo / "protocol/grammar.json"
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    design = {s for s in ALL_CELLS if s.startswith("grammar_design@")}
+    assert len(design) == 16
+    for stage in design:
+        deps = {d["path"]: d for d in lock[stage]["deps"]}
+        assert deps["protocol/grammar.json"]["md5"] == md5(protocol), stage
+    for stage in ALL_CELLS - design:  # baselines and calibration cells do not depend on it
+        assert "protocol/grammar.json" not in {d["path"] for d in lock[stage]["deps"]}, stage
+    assert lock["grammar_calibrate"]["outs"][0]["path"] == "protocol/grammar.json"
+    good = protocol.read_text()
+    try:
+        protocol.write_text(good.replace('"coef": ', '"coef":  ', 1))
+        stale = set(json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}"))
+        assert stale == design | {"grammar_calibrate", "grammar_analysis"}, stale
+    finally:
+        protocol.write_text(good)
+    assert json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}") == {}
+    # a design cell run by hand without the protocol refuses in one line (pipelines/ppo.py)
+    protocol.rename(repo / "protocol.json.away")
+    try:
+        out = sh(repo, sys.executable, "-m", "pipelines.ppo", "grammar_design@10-reward_k1-coef-0", check=False)
+        assert out.returncode != 0 and "run the calibration first (dvc repro grammar_calibrate)" in out.stderr
+    finally:
+        (repo / "protocol.json.away").rename(protocol)
 
 
 def test_adding_an_instance_runs_only_its_stages_and_rerun_keeps_one_run(repo):
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["grammar"]["instances"] = [0, 1, 2]
+    params["grammar"]["instances"] = [10, 11, 12]
+    params["analysis"]["sequential"]["batch_size"] = 1  # whole batches; the cells do not depend on it
     write_params(repo, params)
-    out = sh(repo, sys.executable, "-m", "dvc", "repro")
-    ran = sorted(line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage"))
-    new = {f"grammar_{s}@2" for s in ("data", "sft", "rm")} | (cell_stages((0, 1, 2)) - cell_stages())
-    assert ran == sorted(new | {"grammar_analysis"}), out.stdout
+    out = sh(repo, sys.executable, "-m", "pipelines.run", "--workers", "2").stdout
+    assert "1 upstream chains to build: grammar_data@12\n" in out, out
+    assert "0 of 7 calibration cells to run" in out and "9 of 27 grid cells to run" in out, out
+    finished = {m[1] for m in re.finditer(r"^\[\d+/9\] (\S+): gold ", out, re.MULTILINE)}
+    assert finished == cell_stages((12,)), out
+    ran = [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
+    assert ran == ["grammar_analysis"], out  # the calibration stage did not rerun, nor any other cell
+    assert json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}") == {}
     # Re-running a cell by force leaves exactly one visible MLflow run for it.
-    sh(repo, sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "grammar_baseline@2-0")
-    assert len(visible_runs(repo)["grammar_baseline@2-0"]) == 1
+    sh(repo, sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "grammar_baseline@12-0")
+    assert len(visible_runs(repo)["grammar_baseline@12-0"]) == 1
     # Removing the instance drops it from the analysis.
-    params["grammar"]["instances"] = [0, 1]
+    params["grammar"]["instances"] = [10, 11]
+    params["analysis"]["sequential"]["batch_size"] = TINY["analysis"]["sequential"]["batch_size"]
     write_params(repo, params)
     sh(repo, sys.executable, "-m", "dvc", "repro")
     assert json.loads((repo / "reports/grammar/stats.json").read_text())["n_runs"] == len(cell_stages())
@@ -190,7 +288,7 @@ def test_bad_params_fail_before_any_compute_and_write_nothing(repo):
 
 
 def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
-    stage, out_dir = "grammar_baseline@0-0", repo / "runs/grammar/baseline/0-0"
+    stage, out_dir = "grammar_baseline@10-0", repo / "runs/grammar/baseline/10-0"
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["grammar"]["ppo"]["iterations"] = 400  # long enough to be killed mid-run
     write_params(repo, params)
@@ -213,7 +311,7 @@ def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
     assert stage in json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}")
     (run,) = visible_runs(repo)[stage]
     assert run.info.status == "FAILED"
-    params["grammar"]["ppo"]["iterations"] = 3
+    params["grammar"]["ppo"]["iterations"] = TINY["grammar"]["ppo"]["iterations"]
     write_params(repo, params)
     sh(repo, sys.executable, "-m", "dvc", "repro")
     assert (out_dir / "summary.json").exists()

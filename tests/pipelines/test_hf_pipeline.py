@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -20,14 +19,14 @@ import torch
 import yaml
 
 from ablations.config import Params, load_params
-from ablations.grid import cells
+from ablations.grid import Cell, cells
 from pipelines.common import build_lm, eval_sets, load_lm, load_reward_model, new_lm, save_checkpoint, set_precision
 from pipelines.upstream import build_upstream
 from rlhf import hf
 from rlhf.model import ScalarModel
 from rlhf.ppo import train_ppo
 from tests.conftest import merged, repo_params
-from tests.pipelines.test_e2e import REPO, TINY, sh, visible_runs, write_params
+from tests.pipelines.test_e2e import TINY, make_repo, sh, visible_runs
 
 HF_LLAMA = {  # a from-config model: the `model` section of a task in params.yaml
     "backend": "hf",
@@ -69,9 +68,14 @@ def test_hf_backend_through_the_stage_functions_and_one_cells_ppo_config(tmp_pat
         save_checkpoint(tmp_path / "rm.pt", {"arch": hf.arch(sft_model), "state_dict": reward_model.state_dict()})
         assert outputs_equal(load_reward_model(tmp_path / "rm.pt", device), reward_model, tokens)
 
-    # One cell as pipelines.ppo.run_cell configures it.
-    cell = next(c for c in cells(params) if c.task == task_name and c.kind == "fixed")
+    # One cell as pipelines.ppo.run_cell configures it (a calibration cell: TINY's arithmetic has no cells).
     section = getattr(params, task_name)
+    coef = section.calibration.coefs[0]
+    spec = params.grid.arms["loss_k3"]
+    ppo = tuple(spec.ppo_overrides().items())
+    cell = Cell(task_name, "calibration", 0, "loss_k3", 0, spec.kl(coef), coef=coef, ppo=ppo)
+    if task_name == "grammar":
+        assert cell in cells(params)
     cfg = section.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
     policy = copy.deepcopy(sft_model)
     out = train_ppo(policy, sft_model, reward_model, task, data["train_prompts"], eval_sets(data, device), cfg)
@@ -149,38 +153,25 @@ def test_pretrained_directory_in_params_yaml_loads_through_build_lm(tmp_path, ma
 @pytest.fixture(scope="module")
 def hf_repo(tmp_path_factory):
     """test_e2e.py's tiny pipeline in a temporary git + DVC repository, every task on a tiny hf Llama."""
-    repo = tmp_path_factory.mktemp("e2e-hf")
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for f in files:
-        if f.startswith(("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")) or f in (
-            "dvc.yaml",
-            ".gitignore",
-        ):
-            (repo / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(REPO / f, repo / f)
-    write_params(repo, hf_params())
-    sh(repo, "git", "init", "-q")
-    sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")
-    sh(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
-    return repo
+    return make_repo(tmp_path_factory.mktemp("e2e-hf"), hf_params())
 
 
 @pytest.mark.slow
 def test_runner_with_the_hf_backend_leaves_dvc_clean_and_every_cell_in_mlflow(hf_repo):
-    from tests.pipelines.test_e2e import ALL_CELLS
+    from tests.pipelines.test_e2e import ALL_CELLS, CAL_CELLS
 
     out = sh(hf_repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
-    n = len(ALL_CELLS)
-    assert f"{n} of {n} grid cells to run on 2 local workers" in out.stdout, out.stdout
+    n_cal, n_eval = len(CAL_CELLS), len(ALL_CELLS - CAL_CELLS)
+    assert f"{n_cal} of {n_cal} calibration cells to run on 2 local workers" in out.stdout, out.stdout
+    assert f"{n_eval} of {n_eval} grid cells to run on 2 local workers" in out.stdout, out.stdout
     status = sh(hf_repo, sys.executable, "-m", "dvc", "status", "--json").stdout
     assert json.loads(status or "{}") == {}, status
-    ckpt = torch.load(hf_repo / "models/grammar/0/sft.pt", weights_only=True)
-    assert ckpt["arch"]["backend"] == "hf" and ckpt["arch"]["config"]["model_type"] == "llama"
+    for instance in (0, 10):  # a calibration and an evaluation instance
+        ckpt = torch.load(hf_repo / f"models/grammar/{instance}/sft.pt", weights_only=True)
+        assert ckpt["arch"]["backend"] == "hf" and ckpt["arch"]["config"]["model_type"] == "llama"
     runs = visible_runs(hf_repo)
     assert set(runs) >= ALL_CELLS and all(runs[s][0].info.status == "FINISHED" for s in ALL_CELLS)
-    sft = runs["grammar_sft@0"][0]
+    sft = runs["grammar_calibration_sft@0"][0]
     assert sft.data.params["model.backend"] == "hf", sft.data.params
     assert all("eval/gold" in runs[s][0].data.metrics for s in ALL_CELLS)
-    assert (hf_repo / "reports/grammar/report.md").exists() and (hf_repo / "reports/arithmetic/report.md").exists()
+    assert (hf_repo / "protocol/grammar.json").exists() and (hf_repo / "reports/grammar/report.md").exists()

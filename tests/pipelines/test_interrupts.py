@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from ablations.config import load_params
-from ablations.grid import cells, upstream_stages
+from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_stages
 from pipelines import lockfile
 from tests.pipelines.fakes import runner_script
 from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
@@ -62,6 +62,12 @@ def grid_stages(root: Path) -> set[str]:
     return {c.stage for c in cells(load_params(root / "params.yaml"))}
 
 
+def wave_sizes(root: Path) -> tuple[int, int]:
+    """The number of calibration cells and of evaluation cells."""
+    params = load_params(root / "params.yaml")
+    return len(calibration_cells(params)), len(evaluation_cells(params))
+
+
 def recorded(root: Path) -> set[str]:
     """The grid cells in dvc.lock (asserting that DVC can read it)."""
     assert lockfile.problem(root / "dvc.lock") is None
@@ -96,7 +102,7 @@ def status(root: Path) -> dict:
 
 
 def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):  # noqa: F811
-    proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real, in the pool), then the grid
+    proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real, in the pool), then the calibration wave
     # As soon as the first finished upstream stage is being recorded: Ctrl-C twice.
     wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.lockfile\0commit"))
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the runner and its workers, not the commit
@@ -125,11 +131,14 @@ def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path)
     stopped = {s: v for s, v in runs.items() if s in grid_stages(repo) - recorded(repo)}
     assert stopped and all(v == ["FAILED"] for v in stopped.values()), runs
 
-    # The rerun does only what is left, and the pipeline ends clean.
-    n = len(grid_stages(repo))
-    left = n - len(recorded(repo))
+    # The rerun does only what is left, and the pipeline ends clean. The first two cells (the only real ones) are
+    # calibration cells, so the signals landed in the calibration wave: no evaluation cell had started.
+    n_cal, n_eval = wave_sizes(repo)
+    left = n_cal - len(recorded(repo))
+    assert not {s for s in recorded(repo) if not s.startswith("grammar_calibration")}
     out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
-    assert f"{left} of {n} grid cells to run" in out, out
+    assert f"{left} of {n_cal} calibration cells to run" in out, out
+    assert f"{n_eval} of {n_eval} grid cells to run" in out, out
     assert status(repo) == {}
 
 
@@ -146,8 +155,9 @@ def test_sigkill_keeps_recorded_cells_and_the_resumed_results_are_bit_identical(
 
     out = sh(repo, PY, "-m", "pipelines.run", "--workers", "2").stdout
     assert "restored the last good copy" in out
-    n = len(grid_stages(repo))
-    assert f"{n - 3} of {n} grid cells to run" in out, out  # the recorded cells were kept
+    n_cal, n_eval = wave_sizes(repo)
+    assert f"{n_cal - 3} of {n_cal} calibration cells to run" in out, out  # the recorded cells were kept
+    assert f"{n_eval} of {n_eval} grid cells to run" in out, out
     assert status(repo) == {} and recorded(repo) >= kept
     resumed = runs_tables(repo)
 

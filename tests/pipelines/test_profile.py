@@ -67,3 +67,23 @@ def test_unknown_profile_lists_the_known_ones(repo, capsys, monkeypatch):
 def test_shipped_profiles_apply_to_the_default_params(repo, profile):
     shutil.copy(ROOT / "profiles" / f"{profile}.yaml", repo / "profiles")
     assert apply(profile, repo / "params.yaml", repo / "profiles")  # changes something, validates
+
+
+def test_edit_with_no_change_leaves_params_yaml_byte_identical(repo):
+    """edit() (make settle, profiles) rewrites params.yaml whole: with nothing changed, every byte must stay (it once
+    turned `null` into an empty value and re-indented grid.design's list)."""
+    from pipelines.profile import edit
+
+    text = (repo / "params.yaml").read_text()
+    assert edit(repo / "params.yaml", lambda doc: "result", "a no-op") == "result"
+    assert (repo / "params.yaml").read_text() == text
+
+
+def test_edit_that_breaks_validation_names_what_and_writes_nothing(repo):
+    from pipelines.profile import edit
+
+    text = (repo / "params.yaml").read_text()
+    with pytest.raises(ParamsError, match=r"^params\.yaml with a bad edit: .*instances"):
+        edit(repo / "params.yaml", lambda doc: doc["grammar"]["instances"].append(100), "params.yaml with a bad edit")
+    assert (repo / "params.yaml").read_text() == text
+    assert sorted(p.name for p in repo.iterdir()) == ["params.yaml", "profiles"]

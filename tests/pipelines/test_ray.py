@@ -18,6 +18,7 @@ pytest.importorskip("ray")
 
 def test_ray_runner_leaves_dvc_clean(repo):  # noqa: F811
     out = sh(repo, sys.executable, "-m", "pipelines.run", "--ray-address", "local")
-    assert "15 of 15 grid cells to run on Ray at local" in out.stdout, out.stdout
+    assert "7 of 7 calibration cells to run on Ray at local" in out.stdout, out.stdout
+    assert "18 of 18 grid cells to run on Ray at local" in out.stdout, out.stdout
     assert json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}") == {}
     assert (repo / "reports/grammar/report.md").exists()

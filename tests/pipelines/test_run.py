@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from ablations.config import Params
-from ablations.grid import cells, upstream_chains
+from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_chains
 from pipelines import run
 from tests.conftest import REPO, repo_params
 from tests.pipelines.fakes import committed, runner_script
@@ -95,7 +95,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-GRID = cells(Params.model_validate(repo_params(TINY)))
+PARAMS = Params.model_validate(repo_params(TINY))
+GRID = cells(PARAMS)  # the calibration cells first, then the evaluation cells
+CAL, EVAL = calibration_cells(PARAMS), evaluation_cells(PARAMS)
 FAST = {c.stage for c in GRID[:2]}  # FAKE_FAST=2: these two finish at once, the others run for a minute
 
 
@@ -114,7 +116,7 @@ def fast_cells_recorded(workdir: Path):
 
 
 def test_sigterm_stops_every_worker_records_finished_cells_and_exits_with_one_line(workdir):
-    proc = start_runner(workdir, FAKE_FAST="2")  # baselines finish at once, PPO cells run for a minute
+    proc = start_runner(workdir, FAKE_FAST="2")  # two calibration cells finish at once, the others run for a minute
     wait_for(fast_cells_recorded(workdir))
     wait_for(lambda: len(worker_pids(workdir)) == 2 and all(map(alive, worker_pids(workdir))))
     proc.send_signal(signal.SIGTERM)  # `kill <pid>` / `timeout`: the runner only, not its group
@@ -348,7 +350,8 @@ def test_each_worker_keeps_its_gpu_and_n_workers_per_gpu_run_n_cells_on_it_at_on
     workdir, gpus, flags, workers_on, where
 ):
     out, records = run_placed(workdir, gpus, flags, together=sum(workers_on.values()))
-    assert f"{len(GRID)} of {len(GRID)} grid cells to run on {where}\n" in out, out
+    assert f"{len(CAL)} of {len(CAL)} calibration cells to run on {where}\n" in out, out
+    assert f"{len(EVAL)} of {len(EVAL)} grid cells to run on {where}\n" in out, out
     assert set(records) == {c.stage for c in GRID}
     gpu_of = {}
     for r in records.values():
@@ -425,7 +428,7 @@ def test_ray_cells_ask_for_their_threads_and_a_share_of_a_gpu():
         run.ray_resources(0, 2, 1)
 
 
-CHAINS = upstream_chains(Params.model_validate(repo_params(TINY)))  # grammar 0, 1 (data, sft, rm); arithmetic 0
+CHAINS = upstream_chains(PARAMS)  # grammar: calibration instance 0, then evaluation instances 10, 11
 
 
 def run_upstream(workdir: Path, stale: list[str], **extra: str) -> subprocess.CompletedProcess:
@@ -446,13 +449,24 @@ def stage_records(workdir: Path) -> dict[str, dict]:
 
 def test_upstream_chains_match_dvc_yaml():
     assert CHAINS == [
-        ["grammar_data@0", "grammar_sft@0", "grammar_rm@0"],
-        ["grammar_data@1", "grammar_sft@1", "grammar_rm@1"],
-        ["arithmetic_data@0", "arithmetic_sft@0"],
+        ["grammar_calibration_data@0", "grammar_calibration_sft@0", "grammar_calibration_rm@0"],
+        ["grammar_data@10", "grammar_sft@10", "grammar_rm@10"],
+        ["grammar_data@11", "grammar_sft@11", "grammar_rm@11"],
     ]
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    for kind in ("data", "sft", "rm"):  # run.upstream_stage runs pipelines.<kind>.main([task, instance])
-        assert stages[f"grammar_{kind}"]["cmd"] == f"python -m pipelines.{kind} grammar ${{item.instance}}"
+    both = Params.model_validate(repo_params())  # params.yaml: arithmetic has no rm stage
+    assert ["arithmetic_calibration_data@0", "arithmetic_calibration_sft@0"] in upstream_chains(both)
+    assert ["arithmetic_data@100", "arithmetic_sft@100"] in upstream_chains(both)
+    assert upstream_chains(PARAMS, evaluation=False) == CHAINS[:1]  # --calibration-only
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]  # YAML merge keys resolved
+    for task, kind in itertools.product(("grammar", "arithmetic"), ("data", "sft", "rm")):
+        if task == "arithmetic" and kind == "rm":
+            assert "arithmetic_rm" not in stages and "arithmetic_calibration_rm" not in stages
+            continue
+        # run.upstream_stage runs pipelines.<kind>.main([task, instance]) for both stage groups
+        cmd = f"python -m pipelines.{kind} {task} ${{item.instance}}"
+        assert stages[f"{task}_{kind}"]["cmd"] == stages[f"{task}_calibration_{kind}"]["cmd"] == cmd
+        assert stages[f"{task}_calibration_{kind}"]["matrix"] == {"instance": f"${{{task}.calibration.instances}}"}
+        assert stages[f"{task}_{kind}"]["matrix"] == {"instance": f"${{{task}.instances}}"}
 
 
 def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cells(workdir):
@@ -466,15 +480,18 @@ def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cell
             assert records[a]["end"] <= records[b]["start"], (a, b)
     assert any(records[s]["others"] for s in stale)  # chains overlapped
     lock = committed(workdir / "fake.lock")
-    assert set(lock[: len(stale)]) == set(stale) and set(lock[len(stale) :]) == {c.stage for c in GRID}
-    assert "3 upstream chains to build: grammar_data@0, grammar_data@1, arithmetic_data@0" in out.stdout
+    n = len(stale)
+    assert set(lock[:n]) == set(stale)
+    assert set(lock[n : n + len(CAL)]) == {c.stage for c in CAL}  # the calibration wave, then the evaluation
+    assert set(lock[n + len(CAL) :]) == {c.stage for c in EVAL}
+    assert "3 upstream chains to build: grammar_calibration_data@0, grammar_data@10, grammar_data@11" in out.stdout
 
 
 def test_a_chain_with_fresh_data_and_stale_sft_starts_at_sft(workdir):
-    out = run_upstream(workdir, ["grammar_sft@1"])
+    out = run_upstream(workdir, ["grammar_sft@11", "grammar_calibration_rm@0"])
     assert out.returncode == 0, (out.stdout, out.stderr)
-    assert set(stage_records(workdir)) == {"grammar_sft@1", "grammar_rm@1"}
-    assert committed(workdir / "fake.lock")[:2] == ["grammar_sft@1", "grammar_rm@1"]
+    assert set(stage_records(workdir)) == {"grammar_sft@11", "grammar_rm@11", "grammar_calibration_rm@0"}
+    assert set(committed(workdir / "fake.lock")[:3]) == {"grammar_sft@11", "grammar_rm@11", "grammar_calibration_rm@0"}
 
 
 def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
@@ -485,9 +502,73 @@ def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
 
 
 def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(workdir):
-    out = run_upstream(workdir, ["grammar_sft@0", "arithmetic_data@0"], FAKE_FAIL="grammar_sft@0")
+    out = run_upstream(workdir, ["grammar_sft@10", "grammar_calibration_data@0"], FAKE_FAIL="grammar_sft@10")
     assert out.returncode == 1, (out.stdout, out.stderr)
-    assert out.stderr == "error: upstream stage failed: grammar_sft@0; its message is above; no cell ran\n"
-    assert "FAILED grammar_sft@0: ValueError: grammar_sft@0 broke" in out.stdout
-    assert set(committed(workdir / "fake.lock")) == {"arithmetic_data@0", "arithmetic_sft@0"}  # the others kept
+    assert out.stderr == "error: upstream stage failed: grammar_sft@10; its message is above; no cell ran\n"
+    assert "FAILED grammar_sft@10: ValueError: grammar_sft@10 broke" in out.stdout
+    calibration_chain = {"grammar_calibration_data@0", "grammar_calibration_sft@0", "grammar_calibration_rm@0"}
+    assert set(committed(workdir / "fake.lock")) == calibration_chain  # the others kept
     assert not with_outputs(workdir) and not list((workdir / "fake").glob("worker-*"))
+
+
+# ---------------------------------------------------------------- protocol v3: the calibration wave comes first
+
+
+def run_fake(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
+    """The runner with fake DVC and fast fake cells, with ``flags``."""
+    return subprocess.run(
+        [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0", *flags],
+        cwd=workdir,
+        env=env(workdir, FAKE_FAST="1000"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_calibration_wave_and_the_calibrate_stage_come_before_any_evaluation_cell(workdir):
+    out = run_fake(workdir, "--no-analysis")
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    cal_line = f"{len(CAL)} of {len(CAL)} calibration cells to run on 2 local workers\n"
+    eval_line = f"{len(EVAL)} of {len(EVAL)} grid cells to run on 2 local workers\n"
+    assert cal_line in out.stdout and eval_line in out.stdout, out.stdout
+    assert out.stdout.index(cal_line) < out.stdout.index(eval_line)
+    # every calibration cell is recorded before any evaluation cell ran
+    lock = committed(workdir / "fake.lock")
+    assert set(lock[: len(CAL)]) == {c.stage for c in CAL} and set(lock[len(CAL) :]) == {c.stage for c in EVAL}
+    # `dvc repro grammar_calibrate` once, between the waves; with --no-analysis no plain `dvc repro`
+    assert (workdir / "fake/repro").read_text() == "grammar_calibrate\n"
+    assert all(c.calibration for c in CAL) and not any(c.calibration for c in EVAL)
+    assert {c.kind for c in EVAL} == {"baseline", "design"} and all(c.kl is None for c in EVAL if c.kind == "design")
+
+
+def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_stops(workdir):
+    out = subprocess.run(
+        [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0", "--calibration-only"],
+        cwd=workdir,
+        env=env(workdir, FAKE_FAST="1000", FAKE_STALE=",".join(s for c in CHAINS for s in c)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "1 upstream chains to build: grammar_calibration_data@0\n" in out.stdout, out.stdout
+    assert "calibration done: protocol/<task>.json written; commit it before the evaluation" in out.stdout
+    assert "grid cells" not in out.stdout
+    assert set(stage_records(workdir)) == set(CHAINS[0])  # no evaluation instance was built
+    assert set(committed(workdir / "fake.lock")) == set(CHAINS[0]) | {c.stage for c in CAL}
+    assert with_outputs(workdir) == {c.stage for c in CAL}
+    assert (workdir / "fake/repro").read_text() == "grammar_calibrate\n"  # no analysis either
+
+
+def test_an_upstream_stage_of_a_calibration_instance_runs_its_tasks_module(monkeypatch):
+    import pipelines.rm
+    import pipelines.sft
+
+    calls = []
+    monkeypatch.setattr(run, "_mlflow_ready", lambda experiment: None)
+    monkeypatch.setattr(pipelines.sft, "main", lambda argv: calls.append(("sft", argv)))
+    monkeypatch.setattr(pipelines.rm, "main", lambda argv: calls.append(("rm", argv)))
+    run.upstream_stage(PARAMS, run.Upstream("grammar_calibration_sft@0", ("grammar_calibration_rm@0",)))
+    run.upstream_stage(PARAMS, run.Upstream("grammar_rm@10"))
+    assert calls == [("sft", ["grammar", "0"]), ("rm", ["grammar", "10"])]
