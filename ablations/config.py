@@ -279,13 +279,10 @@ def _distinct(name: str, values: list) -> list:
     return values
 
 
-def _coefs_as_written(coefs):
-    """DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient."""
-    if isinstance(coefs, list):
-        for c in coefs:
-            if isinstance(c, int) and not isinstance(c, bool):
-                raise ValueError(f"write every coefficient as a decimal number ({c}.0, not {c})")
-    return coefs
+# A coefficient or KL target as written: an int stays an int (`3`), a float a float (`3.0`), because DVC names a
+# matrix stage by the value as parsed (`…-3-0` and `…-3.0-0`); ablations.grid.stage_name then makes DVC's name for
+# either. The two spellings of one value are one value (refused as a duplicate).
+Strength = Annotated[int | FiniteFloat, Field(union_mode="smart")]
 
 
 class TaskSection(BaseModel):
@@ -298,18 +295,13 @@ class TaskSection(BaseModel):
     model: ModelParams
     sft: SFTParams
     ppo: PPODefaults
-    coefs: list[FiniteFloat] = Field(description="fixed cells: every arm at each of these coefficients")
-    kl_targets: list[FiniteFloat] = Field(description="matched-KL cells: nats per response, exact KL to the SFT model")
+    coefs: list[Strength] = Field(description="fixed cells: every arm at each of these coefficients")
+    kl_targets: list[Strength] = Field(description="matched-KL cells: nats per response, exact KL to the SFT model")
 
     @field_validator("instances")
     @classmethod
     def _instances(cls, v):
         return _distinct("instance", v)
-
-    @field_validator("coefs", mode="before")
-    @classmethod
-    def _written(cls, v):
-        return _coefs_as_written(v)
 
     @field_validator("coefs")
     @classmethod

@@ -9,11 +9,12 @@ the last dvc.lock it saw whole and restores it at start if something else (a pla
 wrong moment) broke the file.
 
     python -m pipelines.lockfile dvc ARGS...        # DVC's command line, with atomic writes
-    python -m pipelines.lockfile commit STAGE...    # `dvc commit --force STAGE...` in one pass (see commit)
+    python -m pipelines.lockfile commit [--ran-with=FILE] STAGE...   # `dvc commit --force STAGE...`, one pass
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -61,11 +62,49 @@ def patch_dvc() -> None:
         module._dump_data = _atomic_dump_data
 
 
-def commit(names: list[str]) -> None:
+REFUSED = "not recorded: "  # commit's stdout line for a stage whose params changed after it ran
+
+
+def _lookup(tree, key: str):
+    """The value at dotted ``key`` of a params mapping (DVC's addressing of a params entry); a fresh object if
+    absent, so that it compares unequal to anything."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return object()
+        tree = tree[part]
+    return tree
+
+
+def changed_params(stage, ran_with: str | None) -> str | None:
+    """The first params key whose value DVC is about to record for ``stage`` (after ``stage.save()``) differs from
+    the params.yaml text ``ran_with`` the stage ran with; None if every one matches."""
+    from dvc.dependency.param import ParamsDependency
+    from ruamel.yaml import YAML
+
+    if ran_with is None:
+        return "params.yaml"
+    ran = YAML(typ="safe", pure=True).load(ran_with)
+    for dep in stage.deps:
+        if isinstance(dep, ParamsDependency):
+            for key, value in (dep.hash_info.value or {}).items():
+                if _lookup(ran, key) != value:
+                    return key
+    return None
+
+
+def refused(log: str) -> list[str]:
+    """The stages a commit left unrecorded because their params changed (from its output ``log``)."""
+    return [line.removeprefix(REFUSED).split(":")[0] for line in log.splitlines() if line.startswith(REFUSED)]
+
+
+def commit(names: list[str], ran_with: dict[str, str | None] | None = None) -> None:
     """Records the finished stages ``names`` in dvc.lock exactly as ``dvc commit --force`` does (per stage:
     ``stage.save()``, ``stage.commit()``; then one ``dump_stages`` per dvc.yaml: dvc/repo/commit.py), but collects
     the pipeline once: the CLI re-parses dvc.yaml and rewrites dvc.lock once per named target (~3 s of CPU each at
-    100 cells)."""
+    100 cells).
+
+    ``ran_with``: the params.yaml text each stage ran with; a stage whose params as DVC records them now differ
+    from it is not recorded (it stays stale) and named on stdout (``REFUSED``): what is recorded is what ran."""
     from dvc.repo import Repo, lock_repo
 
     logging.getLogger("dvc").setLevel(logging.WARNING)  # the runner prints its own line
@@ -74,10 +113,15 @@ def commit(names: list[str]) -> None:
         unknown = [n for n in names if n not in stages]
         if unknown:
             raise KeyError(f"no stage {unknown[0]!r} in dvc.yaml")
-        chosen = [stages[n] for n in names]
-        for stage in chosen:
+        chosen = []
+        for stage in (stages[n] for n in names):
             stage.save()
+            key = changed_params(stage, ran_with[stage.addressing]) if ran_with is not None else None
+            if key is not None:
+                print(f"{REFUSED}{stage.addressing}: {key} changed after it started", flush=True)
+                continue
             stage.commit(relink=True)
+            chosen.append(stage)
         by_file: dict = {}
         for stage in chosen:
             by_file.setdefault(stage.dvcfile.path, (stage.dvcfile, []))[1].append(stage)
@@ -133,8 +177,12 @@ def main(argv: list[str]) -> int:
 
         rc = dvc_main(argv[1:])
     elif argv[:1] == ["commit"] and argv[1:]:
+        ran_with = None
+        if argv[1].startswith("--ran-with="):
+            ran_with = json.loads(Path(argv[1].split("=", 1)[1]).read_text())
+            argv = argv[:1] + argv[2:]
         try:
-            commit(argv[1:])
+            commit(argv[1:], ran_with)
             rc = 0
         except Exception as e:  # DVC's errors are worded for users; one line
             print(f"error: recording {len(argv) - 1} stages in {LOCK}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -59,8 +59,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ablations.config import ParamsError, load_params
-from ablations.grid import Cell, cells, upstream_chains
+from ablations.config import PARAMS_FILE, ParamsError, load_params
+from ablations.grid import Cell, cells, find_cell, upstream_chains
 from pipelines import lockfile, tracking
 from pipelines.leftovers import clean_temp
 
@@ -229,12 +229,22 @@ class Recorder:
         self.waiting: list[Cell] = []
         self.batch: list[Cell] = []
         self.recorded: list[Cell] = []
+        self.stale: list[str] = []  # finished, but params.yaml changed before they were recorded: left stale
+        self.ran_with: dict[str, str] = {}
         self.proc: subprocess.Popen | None = None
         self.last = float("-inf")
         self.retried = False  # a commit killed by a signal is retried once
 
-    def add(self, cell: Cell) -> None:
+    def add(self, cell: Cell, ran_with: str | None) -> None:
+        """Queues a finished cell for recording, unless params.yaml changed while it ran (``ran_with`` None)."""
+        if ran_with is None:
+            return self._left_stale(cell.stage)
+        self.ran_with[cell.stage] = ran_with
         self.waiting.append(cell)
+
+    def _left_stale(self, stage: str) -> None:
+        self.stale.append(stage)
+        print(f"not recorded: {stage}: params.yaml changed after it started; it stays stale", flush=True)
 
     def poll(self, flush: bool = False) -> None:
         """Collects a finished commit; starts the next batch when due (``flush``: as soon as possible)."""
@@ -245,9 +255,11 @@ class Recorder:
             self._start()
 
     def _start(self) -> None:
+        ran_with = STATE / "commit-ran-with.json"  # what each cell of the batch ran with, for lockfile.commit
+        ran_with.write_text(json.dumps({c.stage: self.ran_with.get(c.stage) for c in self.batch}))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [*COMMIT, *(c.stage for c in self.batch)],
+                [*COMMIT, f"--ran-with={ran_with}", *(c.stage for c in self.batch)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -262,8 +274,11 @@ class Recorder:
         if rc:
             why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else _last_line(self.log.read_text())
             raise RunnerError(f"recording {len(self.batch)} finished {self.what} in dvc.lock failed: {why}")
-        self.recorded += self.batch
-        n, total = len(self.batch), len(self.recorded)
+        refused = lockfile.refused(self.log.read_text())
+        for stage in refused:
+            self._left_stale(stage)
+        self.recorded += [c for c in self.batch if c.stage not in refused]
+        n, total = len(self.batch) - len(refused), len(self.recorded)
         print(f"dvc.lock: recorded {n} more finished {self.what} ({total} so far)", flush=True)
 
     def finish(self) -> None:
@@ -306,13 +321,33 @@ def _init_worker(parent: int, gpus=None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
 
 
+RAN_WITH = "ran_with"  # a worker's summary key: the params.yaml text the cell ran with (None: it changed meanwhile)
+
+
+def _params_text() -> str | None:
+    try:
+        return PARAMS_FILE.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
-    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell."""
+    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell. The cell is
+    taken from params.yaml as it is now (its arm's KL spec may have changed since the runner started), and the
+    summary carries the params.yaml text it ran with (``RAN_WITH``; None if the file changed while it ran), which
+    the recording compares with what DVC records (pipelines/lockfile.py ``commit``)."""
     os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
     try:
-        return run_cell(load_params(), cell)
+        before = _params_text()
+        params = load_params()
+        if isinstance(cell, Cell):
+            cell = find_cell(params, cell.stage)
+        summary = run_cell(params, cell)
+    except KeyError as e:  # the cell was removed from params.yaml after the runner started
+        raise RuntimeError(e.args[0]) from None
     except KeyboardInterrupt:  # SIGTERM during the cell: its MLflow run is marked FAILED by now
         os._exit(EXIT[signal.SIGTERM])
+    return {**summary, RAN_WITH: before if _params_text() == before else None}
 
 
 _READY: set[str] = set()
@@ -479,9 +514,9 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
                     failed.append(cell.stage)
                     print(f"[{done}/{n}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
                     continue
-                recorder.add(cell)
                 print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
-                if getattr(cell, "next", None):
+                recorder.add(cell, s.get(RAN_WITH))
+                if getattr(cell, "next", None) and s.get(RAN_WITH) is not None:
                     pending[backend.submit(root, cell.next, run_cell)] = cell.next
             recorder.poll()
     finally:
@@ -496,6 +531,16 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
         "(MLflow runs marked FAILED); run again to do the rest"
     )
     return failed
+
+
+def check_stale(recorder: Recorder) -> None:
+    """Fails (one line) if finished stages were left unrecorded because params.yaml changed under them."""
+    if recorder.stale:
+        n, names = len(recorder.stale), ", ".join(recorder.stale)
+        raise RunnerError(
+            f"params.yaml changed while the runner ran: {n} finished {recorder.what} were left stale, not recorded "
+            f"({names}); run again to compute them with the current values"
+        )
 
 
 def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
@@ -611,6 +656,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
                 failed = run_cells(ups, backend(), recorder, sig, run_stage, params.mlflow.experiment)
                 if failed:
                     raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
+                check_stale(recorder)
             grid = cells(params)
             todo = stale_cells(grid, env, sig)
             where = _where(workers, slots, args.ray_address)
@@ -621,6 +667,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
                 if failed:
                     n, names = len(failed), ", ".join(failed)
                     raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+                check_stale(recorder)
         finally:
             for b in pool:
                 b.close()

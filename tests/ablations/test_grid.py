@@ -16,6 +16,8 @@ from ..conftest import REPO, repo_params
 
 # Spellings YAML 1.2 (DVC's parser) reads as floats or ints, including the ones where two parsers disagree.
 COEF_SPELLINGS = ["0.1", "1.0", "1e-05", "1.0e-2", ".5", "0.30000000000000004", "2.50", "1000.0", "+0.25", "3E-3"]
+COEF_SPELLINGS += ["3", "+7"]  # ints: DVC names them 3 and 7, and so does the runner
+TARGET_SPELLINGS = ["3", "9.0", "20.0", "1e1", "+4", "0.5"]  # ints and floats alike (issue 20)
 SEED_SPELLINGS = ["0", "7", "010", "2147483647", "+3"]
 
 
@@ -29,12 +31,15 @@ def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
         return {s.name for s in repo.index.stages}
 
 
-def params_text(coefs: list[str], seeds: list[str]) -> str:
-    """The repository's params.yaml with these coefficients and seeds written verbatim."""
+def params_text(coefs: list[str], seeds: list[str], targets: list[str] | None = None) -> str:
+    """The repository's params.yaml with these coefficients, seeds and grammar KL targets written verbatim."""
     p = repo_params()
-    p["grammar"]["coefs"], p["grid"]["seeds"] = "COEFS", "SEEDS"
+    p["grammar"]["coefs"], p["grid"]["seeds"], p["grammar"]["kl_targets"] = "COEFS", "SEEDS", "TARGETS"
     text = yaml.safe_dump(p, sort_keys=False)
-    return text.replace("COEFS", "[" + ", ".join(coefs) + "]").replace("SEEDS", "[" + ", ".join(seeds) + "]")
+    spelled = {"COEFS": coefs, "SEEDS": seeds, "TARGETS": targets or ["3.0", "9.0", "20.0"]}
+    for k, v in spelled.items():
+        text = text.replace(k, "[" + ", ".join(v) + "]")
+    return text
 
 
 def test_matrix_key_is_dvc_to_str():
@@ -46,7 +51,7 @@ def test_matrix_key_is_dvc_to_str():
 
 
 def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
-    text = params_text(COEF_SPELLINGS, SEED_SPELLINGS)
+    text = params_text(COEF_SPELLINGS, SEED_SPELLINGS, TARGET_SPELLINGS)
     (tmp_path / "check.yaml").write_text(text)
     params = load_params(tmp_path / "check.yaml")
     ours = {c.stage for c in cells(params)}
@@ -60,7 +65,7 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
 @pytest.mark.parametrize(
     "coefs, seeds, message",
     [
-        (["1"], ["0"], "write every coefficient as a decimal number"),  # DVC would name it ...-1-..., we 1.0
+        (["1", "1.0"], ["0"], "duplicate coefficient 1"),  # two names (…-1-…, …-1.0-…), one value
         (["0.1"], ["1.0"], "grid.seeds.0"),  # a float seed
         (["0.1"], ["true"], "grid.seeds.0"),  # a boolean seed
         (["true"], ["0"], "grammar.coefs.0"),  # a boolean coefficient

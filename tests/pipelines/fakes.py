@@ -134,7 +134,7 @@ def _commit(names: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["commit"]:
-        _commit(argv[1:])
+        _commit([a for a in argv[1:] if not a.startswith("--ran-with=")])
     elif argv[:3] == ["dvc", "status", "--json"]:
         from ablations.config import load_params
         from ablations.grid import cells
