@@ -18,7 +18,7 @@ from ..conftest import REPO, repo_params
 COEF_SPELLINGS = ["0.1", "1.0", "1e-05", "1.0e-2", ".5", "0.30000000000000004", "2.50", "1000.0", "+0.25", "3E-3"]
 COEF_SPELLINGS += ["3", "+7"]  # ints: DVC names them 3 and 7, and so does the runner
 TARGET_SPELLINGS = ["3", "9.0", "20.0", "1e1", "+4", "0.5"]  # ints and floats alike (issue 20)
-SEED_SPELLINGS = ["0", "7", "010", "2147483647", "+3"]
+SEED_SPELLINGS = ["0", "7", "2147483647", "+3"]  # not 010: octal-looking ints are refused (YAML 1.1 reads 8)
 
 
 def dvc_stage_names(tmp_path, params_text: str) -> set[str]:
@@ -70,7 +70,8 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
         (["0.1"], ["true"], "grid.seeds.0"),  # a boolean seed
         (["true"], ["0"], "grammar.coefs.0"),  # a boolean coefficient
         (["0.1", "1e-1"], ["0"], "duplicate coefficient"),  # two spellings, one value, one stage name
-        (["0.1"], ["1", "01"], "duplicate seed 1"),
+        (["0.1"], ["1", "+1"], "duplicate seed 1"),
+        (["0.1"], ["010"], "grid.seeds.0: '010': write the number without leading zeros"),
         ([".inf"], ["0"], "grammar.coefs.0"),
         ([".nan"], ["0"], "grammar.coefs.0"),
         (["0.1"], ["-1"], "grid.seeds.0"),
