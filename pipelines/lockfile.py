@@ -14,17 +14,22 @@ wrong moment) broke the file.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 from pipelines.leftovers import temp_sibling
+from pipelines.tracking import RUNNER_ENV, flock_holder
 
 LOCK = Path("dvc.lock")
 GOOD = Path(".dvc/tmp/runner/dvc.lock.good")  # .dvc/tmp is DVC's own scratch space (git-ignored)
+DVC_LOCK = Path(".dvc/tmp/lock")  # DVC's repository lock (zc.lockfile: an flock, the holder's pid inside)
+RWLOCK = Path(".dvc/tmp/rwlock")  # DVC's JSON of the stages' read/write locks, rewritten in place by DVC
 
 
 class BrokenLockError(RuntimeError):
@@ -169,12 +174,47 @@ def repair() -> str | None:
     )
 
 
+def dvc_busy() -> str | None:
+    """The pid (as DVC wrote it) of a DVC command working in this repository (holding DVC_LOCK), or None."""
+    return flock_holder(DVC_LOCK)
+
+
+def repair_rwlock() -> str | None:
+    """At start, with no DVC command running: removes DVC's rwlock if it is not a JSON mapping (a DVC killed
+    while rewriting it in place leaves it empty or cut, and every DVC command then fails); DVC recreates it.
+    Returns a one-line note, or None when it was whole."""
+    try:
+        ok = isinstance(json.loads(RWLOCK.read_text(encoding="utf-8")), dict)
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        ok = False
+    if ok:
+        return None
+    RWLOCK.unlink()
+    return f"{RWLOCK} was cut or corrupt (a DVC command was killed while writing it); removed it, DVC starts a new one"
+
+
+def _die_with_runner() -> None:
+    """Under the grid runner (RUNNER_ENV): when the runner dies, even by SIGKILL, the kernel signals this DVC
+    (Linux prctl PR_SET_PDEATHSIG), which kills its whole process group: DVC and the stage command it runs (the
+    runner starts DVC as a session leader; DVC runs stage commands in its group)."""
+    runner = os.environ.get(RUNNER_ENV)
+    if not runner or not sys.platform.startswith("linux") or os.getpgrp() != os.getpid():
+        return
+    signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2))  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != runner:  # the runner died before prctl took effect
+        os.killpg(0, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     """Runs DVC with atomic writes; after a success, dvc.lock (whole: it was replaced whole) is the good copy."""
     patch_dvc()
     if argv[:1] == ["dvc"]:
         from dvc.cli import main as dvc_main
 
+        _die_with_runner()
         rc = dvc_main(argv[1:])
     elif argv[:1] == ["commit"] and argv[1:]:
         ran_with = None

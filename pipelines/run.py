@@ -133,8 +133,10 @@ def runner_lock(state: Path = STATE):
 
 def stage_env() -> dict[str, str]:
     """The environment of every DVC call: this interpreter's directory first on PATH, so that the `python` of
-    dvc.yaml's commands is this one even when the environment is not activated."""
-    return {**os.environ, "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), os.getenv("PATH")]))}
+    dvc.yaml's commands is this one even when the environment is not activated; and this runner's pid, so that
+    DVC and its stage commands die with the runner and pass tracking.refuse_beside_runner."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), os.getenv("PATH")]))
+    return {**os.environ, "PATH": path, tracking.RUNNER_ENV: str(os.getpid())}
 
 
 PROBE = "python -c 'import sys; print(sys.prefix); print(sys.executable)'"
@@ -512,7 +514,7 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
                     s = backend.result(handle)
                 except Exception as e:  # report and go on: the other cells are still worth having
                     failed.append(cell.stage)
-                    print(f"[{done}/{n}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
+                    print(f"[{done}/{n}] FAILED {cell.stage}: {tracking.fault_line(e) or _last_line(e)}", flush=True)
                     continue
                 print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
                 recorder.add(cell, s.get(RAN_WITH))
@@ -554,13 +556,24 @@ def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> 
 
 
 def prepare(experiment: str) -> None:
-    """Repairs what a killed run left behind. Only under the runner lock: no other runner is working here."""
+    """Repairs what a killed run left behind. Only under the runner lock: no other runner is working here; and
+    only if no DVC command is (a plain `dvc repro` beside the runner is refused, as the runner is beside it)."""
+    dvc_pid = lockfile.dvc_busy()
+    if dvc_pid is not None:
+        raise RunnerError(
+            f"a DVC command (pid {dvc_pid}) is working in this repository (it holds {lockfile.DVC_LOCK}); wait for it "
+            "to end, then run again",
+            2,
+        )
     try:
-        note = lockfile.repair()
+        notes = [lockfile.repair(), lockfile.repair_rwlock()]
     except lockfile.BrokenLockError as e:
         raise RunnerError(str(e), 2) from None
-    if note:
+    for note in filter(None, notes):
         print(note, flush=True)
+    tracking_problem = tracking.store_problem()
+    if tracking_problem:
+        raise RunnerError(tracking_problem, 2)
     removed = clean_temp()
     if removed:
         print(f"removed {len(removed)} temporary files left by killed stages, e.g. {removed[0]}", flush=True)
@@ -637,6 +650,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
     env = stage_env()
     check_interpreter(env)
     with runner_lock():
+        os.environ[tracking.RUNNER_ENV] = str(os.getpid())  # the workers' stages pass refuse_beside_runner
         prepare(params.mlflow.experiment)
         sig.check("stopped before any compute")
         os.environ.setdefault("RLHF_THREADS", "1")
@@ -698,7 +712,11 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.code
-    except Exception as e:  # a bug of the runner: one line here, the traceback in a file
+    except Exception as e:  # a full disk or a corrupt store: one line; a bug of the runner: the traceback in a file
+        fault = tracking.fault_line(e)
+        if fault:
+            print(f"error: {fault}", file=sys.stderr, flush=True)
+            return 1
         log = Path(tempfile.mkstemp(prefix="pipelines-run-", suffix=".txt")[1])
         log.write_text(traceback.format_exc())
         print(f"error: unexpected {type(e).__name__}: {_last_line(e)} (traceback in {log})", file=sys.stderr)
