@@ -30,9 +30,11 @@ Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) sto
 MLflow runs are marked FAILED), records the cells (or upstream stages) that finished, and exits with one line
 (status 130 or 143).
 A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
-reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
-when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
-the MLflow runs the killed workers left RUNNING as FAILED).
+reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers, and DVC with the stage it
+runs (the analysis), die with the runner even when it is killed with SIGKILL; the cells recorded by then are kept,
+the next run redoes the others (and marks the MLflow runs the killed processes left RUNNING as FAILED).
+Each cell is recorded only with the params.yaml values it ran with (lockfile.commit compares them): a cell whose
+parameters changed while it ran, or before it was recorded, is left stale and named, and the run fails at the end.
 DVC writes dvc.lock through pipelines.lockfile, which only ever replaces it whole.
 """
 
