@@ -116,3 +116,39 @@ def test_runs_of_another_repository_in_a_shared_store_are_never_touched(tmp_path
         pass
     assert client.get_run(theirs).info.lifecycle_stage == "active"
     assert client.get_run(mine).info.lifecycle_stage == "deleted"
+
+
+def test_a_cell_whose_params_changed_is_left_stale_with_one_line(repo, capsys):
+    from ablations.config import load_params
+    from ablations.grid import cells
+
+    grid = cells(load_params())
+    recorder = run.Recorder({}, every_s=0)
+    recorder.add(grid[0], None)  # params.yaml changed while it ran
+    assert recorder.waiting == [] and recorder.stale == [grid[0].stage]
+    assert (
+        capsys.readouterr().out
+        == f"not recorded: {grid[0].stage}: params.yaml changed after it started; it stays stale\n"
+    )
+    with pytest.raises(run.RunnerError, match=r"^params.yaml changed while the runner ran: 1 finished cells were left"):
+        run.check_stale(recorder)
+    log = f"{lockfile.REFUSED}{grid[1].stage}: grammar.ppo changed after it started\nsomething else\n"
+    assert lockfile.refused(log) == [grid[1].stage]
+
+
+def test_the_recorded_params_are_compared_with_the_text_the_cell_ran_with():
+    class Dep(lockfile_params_dependency()):
+        def __init__(self, values):
+            self.hash_info = type("H", (), {"value": values})()
+
+    stage = type("S", (), {"deps": [Dep({"grammar.ppo": {"lr": 0.003}, "grid.arms.a": {"x": 1}})]})()
+    ran = "grammar:\n  ppo: {lr: 0.002}\ngrid:\n  arms:\n    a: {x: 1}\n"
+    assert lockfile.changed_params(stage, ran) == "grammar.ppo"
+    assert lockfile.changed_params(stage, ran.replace("0.002", "0.003")) is None
+    assert lockfile.changed_params(stage, None) == "params.yaml"
+
+
+def lockfile_params_dependency():
+    from dvc.dependency.param import ParamsDependency
+
+    return ParamsDependency
