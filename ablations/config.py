@@ -25,7 +25,17 @@ from rlhf.config import Aggregation, Algorithm, Estimator, KLConfig, PGAggregati
 PARAMS_FILE = Path("params.yaml")
 STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 RESERVED_ARMS = ("none", "baseline")  # the no-KL baseline's names
-MAX_SEED = 2**31 - 1
+MAX_SEED = 2**31 - 1  # every seed (grid, eval_seed, diagnostics): seed * 1_000_003 + i stays below 2**63
+MAX_NAME = 64  # an arm name is part of a stage name and of a directory name (runs/<task>/<kind>/<key>)
+MAX_WORK = 1e12  # parameters x batch x sequence of any training step: above it a step needs > ~6e12 FLOPs and
+# its activations tens of GB (the default grid is ~1e8; GPT-2 small at batch 64 x 128 tokens ~1e12)
+# The TOST margin of a metric must be below its plausible range, or everything is "equivalent": accuracies and
+# shares are in [0, 1], so at most 0.5 (half the range); grammar gold and proxy are word qualities ~ N(0, 1) per
+# word, so at most 2.0 (two SDs; PPO's largest gain over SFT on this task is 0.574). Only these metrics exist.
+METRICS = {  # the metrics of each task's evaluation that a protocol may compare (rlhf/evaluate.py)
+    "grammar": ("gold", "proxy", "illegal", "empty", "truncated"),
+    "arithmetic": ("gold", "ood_gold", "empty", "truncated"),
+}
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
@@ -84,6 +94,19 @@ class HFParams(BaseModel):
             raise ValueError("'tokens' maps the task's tokens into a pretrained model's vocabulary; set 'pretrained'")
         return self
 
+    @field_validator("pretrained")
+    @classmethod
+    def _model_dir(cls, v):
+        """A path (absolute, ./ or ../, or an existing directory) must be a saved model: a directory with a
+        config.json. Anything else is a hub id (``org/name``), for a machine that can reach a hub."""
+        if v is None:
+            return v
+        path = Path(v).expanduser()
+        if (v.startswith(("/", "./", "../", "~")) or path.exists()) and not (path / "config.json").is_file():
+            what = "does not exist" if not path.exists() else "has no config.json"
+            raise ValueError(f"{v!r} {what}: give a save_pretrained directory (with config.json) or a hub id")
+        return v
+
 
 class ModelParams(BaseModel):
     """Policy, reference, reward and value models: the tiny transformer (rlhf/model.py) or a Hugging Face model."""
@@ -124,6 +147,18 @@ class RMParams(BaseModel):
     adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon")
 
 
+# Bounds of ppo values beyond PPOConfig's own: what a torch generator takes (seeds), and floats that stay finite
+# through the loss (1/temperature scales logits; vf_coef and missing_eos_score enter the loss and the returns).
+PPO_BOUNDS = {
+    "eval_seed": (0, MAX_SEED),
+    "temperature": (0.01, 100),
+    "vf_coef": (0, 100),
+    "missing_eos_score": (-100, 100),
+    "cliprange": (0, 100),
+    "cliprange_value": (0, 1_000_000),
+}
+
+
 class PPODefaults(PPOConfig):
     """The ``ppo`` section: every PPOConfig field except ``kl`` and ``seed``, which come from the grid cell."""
 
@@ -135,7 +170,25 @@ class PPODefaults(PPOConfig):
         bad = {"kl", "seed"} & self.model_fields_set
         if bad:
             raise ValueError(f"{', '.join(sorted(bad))} belong in 'grid' (arms, coefs, seeds), not in 'ppo'")
+        if self.eval_every > self.iterations:
+            raise ValueError(f"eval_every ({self.eval_every}) must be <= iterations ({self.iterations})")
         return self
+
+    @field_validator(*PPO_BOUNDS)
+    @classmethod
+    def _bounded(cls, v, info):
+        """The values the training loop turns into overflows or a generator refuses (PPO_BOUNDS)."""
+        lo, hi = PPO_BOUNDS[info.field_name]
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"must be in [{lo}, {hi}] (got {v!r})")
+        return v
+
+    @field_validator("diagnostics")
+    @classmethod
+    def _diagnostics_seed(cls, d):
+        if d is not None and d.seed > MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (got {d.seed})")
+        return d
 
 
 class Arm(BaseModel):
@@ -260,8 +313,11 @@ class Grid(BaseModel):
         for name in arms:
             if name in RESERVED_ARMS:
                 raise ValueError(f"arm name {name!r} is reserved for the no-KL baseline; reserved: {RESERVED_ARMS}")
-            if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-                raise ValueError(f"arm name {name!r} must match [a-z][a-z0-9_]* (it becomes part of a stage name)")
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or len(name) > MAX_NAME:
+                raise ValueError(
+                    f"arm name {name[:80]!r} must match [a-z][a-z0-9_]* and have at most {MAX_NAME} characters "
+                    "(it becomes part of a stage name and a directory name)"
+                )
         return arms
 
     @field_validator("seeds")
@@ -388,14 +444,10 @@ def _distinct(name: str, values: list) -> list:
     return values
 
 
-def _coefs_as_written(coefs, what: str = "coefficient"):
-    """DVC names a stage by the value as written (`1` -> "1", `1.0` -> "1.0"): one spelling per coefficient (or
-    KL target)."""
-    if isinstance(coefs, list):
-        for c in coefs:
-            if isinstance(c, int) and not isinstance(c, bool):
-                raise ValueError(f"write every {what} as a decimal number ({c}.0, not {c})")
-    return coefs
+# A coefficient or KL target as written: an int stays an int (`3`), a float a float (`3.0`), because DVC names a
+# matrix stage by the value as parsed (`…-3-0` and `…-3.0-0`); ablations.grid.stage_name then makes DVC's name for
+# either. The two spellings of one value are one value (refused as a duplicate).
+Strength = Annotated[int | FiniteFloat, Field(union_mode="smart")]
 
 
 class TargetRule(BaseModel):
@@ -415,7 +467,7 @@ class CalibrationParams(BaseModel):
 
     model_config = STRICT
     instances: list[Seed] = Field(description="task seeds of the calibration instances (disjoint from instances)")
-    coefs: list[FiniteFloat] = Field(description="coefficients every calibration arm runs at (at least 3)")
+    coefs: list[Strength] = Field(description="coefficients every calibration arm runs at (at least 3)")
     margin_fraction: FiniteFloat = Field(gt=0.0, le=1.0, description="margin = this x the no-KL gold gain")
     gain: Literal["peak", "final"] = Field(description="the no-KL gain: peak gold or final gold, minus SFT gold")
     target: TargetRule
@@ -424,11 +476,6 @@ class CalibrationParams(BaseModel):
     @classmethod
     def _instances(cls, v):
         return _distinct("calibration instance", v)
-
-    @field_validator("coefs", mode="before")
-    @classmethod
-    def _written(cls, v):
-        return _coefs_as_written(v)
 
     @field_validator("coefs")
     @classmethod
@@ -451,18 +498,13 @@ class TaskSection(BaseModel):
     sft: SFTParams
     ppo: PPODefaults
     calibration: CalibrationParams
-    coefs: list[FiniteFloat] = Field(description="exploratory fixed cells: every arm at each of these coefficients")
-    kl_targets: list[FiniteFloat] = Field(description="exploratory matched-KL cells: nats per response")
+    coefs: list[Strength] = Field(description="exploratory fixed cells: every arm at each of these coefficients")
+    kl_targets: list[Strength] = Field(description="exploratory matched-KL cells: nats per response")
 
     @field_validator("instances")
     @classmethod
     def _instances(cls, v):
         return _distinct("instance", v)
-
-    @field_validator("coefs", mode="before")
-    @classmethod
-    def _written(cls, v):
-        return _coefs_as_written(v)
 
     @field_validator("coefs")
     @classmethod
@@ -473,11 +515,6 @@ class TaskSection(BaseModel):
                 f"every coefficient must be in (0, 1000] (got {bad[0]}); the no-KL baseline runs by itself"
             )
         return _distinct("coefficient", coefs)
-
-    @field_validator("kl_targets", mode="before")
-    @classmethod
-    def _targets_written(cls, v):
-        return _coefs_as_written(v, "KL target")
 
     @field_validator("kl_targets")
     @classmethod
@@ -504,7 +541,35 @@ class TaskSection(BaseModel):
                 f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
                 "SFT trains on the rest"
             )
+        work = self.work()
+        if work > MAX_WORK:
+            raise ValueError(
+                f"model x batch x sequence = {work:.2g} (about {self.n_params():.2g} parameters x batch "
+                f"{self.max_batch()} x {self.seq_len()} tokens) is above the limit {MAX_WORK:.0e}: make model "
+                "(d_model, n_layers), sft/rm/ppo batch_size or the sequence smaller"
+            )
         return self
+
+    def seq_len(self) -> int:
+        return self.task.prompt_len + self.task.max_new_tokens
+
+    def vocab(self) -> int:
+        return 16  # arithmetic: 10 digits, +, -, =, BOS, EOS, PAD (an estimate is enough)
+
+    def max_batch(self) -> int:
+        rm = getattr(self, "rm", None)
+        return max(self.sft.batch_size, self.ppo.batch_size, 2 * rm.batch_size if rm else 0)
+
+    def n_params(self) -> float:
+        """Parameters of one model, estimated from the model section (a pretrained model: not counted, 0)."""
+        m, d = self.model, self.model.d_model
+        if m.backend == "hf" and m.hf.pretrained is not None:
+            return 0.0
+        mlp = 3 * d * m.hf.intermediate_size if m.backend == "hf" else 8 * d * d
+        return m.n_layers * (4 * d * d + mlp) + (self.vocab() + self.seq_len()) * d
+
+    def work(self) -> float:
+        return self.n_params() * self.max_batch() * self.seq_len()
 
     def ppo_config(self, kl: KLConfig, seed: int, **overrides) -> PPOConfig:
         """The PPOConfig of one cell: this task's ppo values (``overrides``: an arm's algorithm/group_size)."""
@@ -519,6 +584,9 @@ class GrammarParams(TaskSection):
     task: GrammarTaskParams
     rm: RMParams
 
+    def vocab(self) -> int:
+        return self.task.n_words + 2
+
     @model_validator(mode="after")
     def _tokens(self):
         hf = self.model.hf
@@ -528,6 +596,9 @@ class GrammarParams(TaskSection):
                 f"tokens; got {len(hf.tokens)})"
             )
         return self
+
+
+MIN_POOL_SHARE, MIN_POOL_PAIRS = 0.01, 10  # rlhf/arithmetic.py draws each pool by rejection: it must be there
 
 
 class ArithmeticTaskParams(BaseModel):
@@ -554,7 +625,20 @@ class ArithmeticTaskParams(BaseModel):
             )
         if self.eval_fraction + self.rl_fraction >= 1:
             raise ValueError("eval_fraction + rl_fraction must leave a share of operand pairs for the SFT pool")
+        pairs = 10 ** (2 * self.n_digits)
+        shares = {"eval_fraction": self.eval_fraction, "rl_fraction": self.rl_fraction}
+        shares["1 - eval_fraction - rl_fraction"] = 1 - self.eval_fraction - self.rl_fraction
+        for name, share in shares.items():
+            if share < MIN_POOL_SHARE or share * pairs < MIN_POOL_PAIRS:
+                raise ValueError(
+                    f"{name} = {share:g} leaves too few of the {pairs} operand pairs (about {share * pairs:.3g}); "
+                    f"each pool needs a share >= {MIN_POOL_SHARE} and >= {MIN_POOL_PAIRS} pairs"
+                )
         return self
+
+    @property
+    def prompt_len(self) -> int:
+        return 2 * self.n_digits + 3  # rlhf/arithmetic.py ArithmeticTask.prompt_len
 
 
 class ArithmeticParams(TaskSection):
@@ -589,6 +673,8 @@ class Params(BaseModel):
             raise ValueError(
                 f"analysis.tasks needs the protocol of every task that runs; missing: {', '.join(missing)}"
             )
+        if not self.tasks():
+            raise ValueError(f"no task runs: give at least one of {', '.join(TASKS)} instances")
         a, g = self.analysis, self.grid
         if a.reference_arm not in g.calibration_arms:
             raise ValueError(f"grid.calibration_arms must include the reference arm {a.reference_arm!r}")
@@ -608,9 +694,15 @@ class Params(BaseModel):
                     f"{name}.instances: {n} instances must be whole batches of analysis.sequential.batch_size "
                     f"({seq.batch_size}), at most the cap ({seq.cap})"
                 )
+        _check_metrics(self.analysis.tasks)
         m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
-            for section in self.tasks().values():
+            for task, section in self.tasks().items():
+                if arm.ref_sync_every is not None and arm.ref_sync_every > section.ppo.iterations:
+                    raise ValueError(
+                        f"grid.arms.{name}.ref_sync_every ({arm.ref_sync_every}) must be <= {task}.ppo.iterations "
+                        f"({section.ppo.iterations}): the reference would never move"
+                    )
                 for kl in [{"coef": c} for c in [*section.coefs, *section.calibration.coefs]] + [
                     {"coef": m.init_coef, "adaptive_target": 1.0, "horizon": m.horizon}
                 ]:
@@ -626,6 +718,19 @@ class Params(BaseModel):
 
 
 TASKS = ("grammar", "arithmetic")  # the task sections of params.yaml, in report order (rlhf/tasks.py names them)
+
+
+def _check_metrics(tasks: dict[str, TaskAnalysis]) -> None:
+    """Every protocol names a task and compares only metrics that task has (METRICS; the calibration stage sets
+    their margins as a share of the no-KL gain, so no margin is written by hand)."""
+    for task, tp in tasks.items():
+        if task not in METRICS:
+            raise ValueError(f"analysis.tasks.{task}: not a task; allowed: {', '.join(TASKS)}")
+        allowed = METRICS[task]
+        for metric in tp.metrics:
+            if metric not in allowed:
+                key = f"analysis.tasks.{task}.metrics"
+                raise ValueError(f"{key}: task {task} has no metric {metric!r}; allowed: {', '.join(allowed)}")
 
 
 # ---------------------------------------------------------------- messages
@@ -668,11 +773,22 @@ def read_yaml(path: Path) -> dict:
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ParamsError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ParamsError(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); save it as UTF-8"
+        ) from None
+    directive = re.search(r"^%YAML.*$", text, re.M)
+    if directive:
+        line = text.count("\n", 0, directive.start()) + 1
+        raise ParamsError(
+            f"{path}:{line}: {directive.group().strip()!r}: no %YAML directive; DVC and the runner read YAML 1.2"
+        )
     try:
         raw = YAML(typ="safe", pure=True).load(text)
+        _plain_yaml(YAML(typ="safe", pure=True).compose(text), path)
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -685,11 +801,33 @@ def read_yaml(path: Path) -> dict:
     return raw
 
 
+LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")  # YAML 1.1 reads 010 as 8, YAML 1.2 as 10
+
+
+def _plain_yaml(node, path: Path, key: str = "", seen: set | None = None) -> None:
+    """Refuses (ParamsError naming the key) what makes params.yaml mean something else to another reader, or grow
+    inside DVC: anchors and aliases (DVC expands them: an alias bomb), and octal-looking ints (010)."""
+    from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+    seen = set() if seen is None else seen
+    where = f"{path}:{node.start_mark.line + 1}: {key or 'the document'}"
+    if id(node) in seen or node.anchor:
+        raise ParamsError(f"{where}: no anchors or aliases (&, *) in params.yaml; write the values out")
+    seen.add(id(node))
+    if isinstance(node, ScalarNode) and node.style is None and LEADING_ZERO.fullmatch(node.value):
+        raise ParamsError(f"{where}: {node.value!r}: write the number without leading zeros")
+    if isinstance(node, MappingNode):
+        for k, v in node.value:
+            _plain_yaml(v, path, f"{key}.{k.value}" if key else str(k.value), seen)
+    elif isinstance(node, SequenceNode):
+        for i, v in enumerate(node.value):
+            _plain_yaml(v, path, f"{key}.{i}", seen)
+
+
 def load_params(path: Path | str = PARAMS_FILE) -> Params:
     """Reads and validates params.yaml. Raises ParamsError with one line naming the key and what is allowed."""
     path = Path(path)
     raw = read_yaml(path)
-    raw.pop("vars", None)  # DVC templating helpers, if any
     try:
         return Params.model_validate(raw)
     except ValidationError as e:

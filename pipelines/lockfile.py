@@ -9,21 +9,27 @@ the last dvc.lock it saw whole and restores it at start if something else (a pla
 wrong moment) broke the file.
 
     python -m pipelines.lockfile dvc ARGS...        # DVC's command line, with atomic writes
-    python -m pipelines.lockfile commit STAGE...    # `dvc commit --force STAGE...` in one pass (see commit)
+    python -m pipelines.lockfile commit [--ran-with=FILE] STAGE...   # `dvc commit --force STAGE...`, one pass
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 from pipelines.leftovers import temp_sibling
+from pipelines.tracking import RUNNER_ENV, flock_holder
 
 LOCK = Path("dvc.lock")
 GOOD = Path(".dvc/tmp/runner/dvc.lock.good")  # .dvc/tmp is DVC's own scratch space (git-ignored)
+DVC_LOCK = Path(".dvc/tmp/lock")  # DVC's repository lock (zc.lockfile: an flock, the holder's pid inside)
+RWLOCK = Path(".dvc/tmp/rwlock")  # DVC's JSON of the stages' read/write locks, rewritten in place by DVC
 
 
 class BrokenLockError(RuntimeError):
@@ -61,11 +67,49 @@ def patch_dvc() -> None:
         module._dump_data = _atomic_dump_data
 
 
-def commit(names: list[str]) -> None:
+REFUSED = "not recorded: "  # commit's stdout line for a stage whose params changed after it ran
+
+
+def _lookup(tree, key: str):
+    """The value at dotted ``key`` of a params mapping (DVC's addressing of a params entry); a fresh object if
+    absent, so that it compares unequal to anything."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return object()
+        tree = tree[part]
+    return tree
+
+
+def changed_params(stage, ran_with: str | None) -> str | None:
+    """The first params key whose value DVC is about to record for ``stage`` (after ``stage.save()``) differs from
+    the params.yaml text ``ran_with`` the stage ran with; None if every one matches."""
+    from dvc.dependency.param import ParamsDependency
+    from ruamel.yaml import YAML
+
+    if ran_with is None:
+        return "params.yaml"
+    ran = YAML(typ="safe", pure=True).load(ran_with)
+    for dep in stage.deps:
+        if isinstance(dep, ParamsDependency):
+            for key, value in (dep.hash_info.value or {}).items():
+                if _lookup(ran, key) != value:
+                    return key
+    return None
+
+
+def refused(log: str) -> list[str]:
+    """The stages a commit left unrecorded because their params changed (from its output ``log``)."""
+    return [line.removeprefix(REFUSED).split(":")[0] for line in log.splitlines() if line.startswith(REFUSED)]
+
+
+def commit(names: list[str], ran_with: dict[str, str | None] | None = None) -> None:
     """Records the finished stages ``names`` in dvc.lock exactly as ``dvc commit --force`` does (per stage:
     ``stage.save()``, ``stage.commit()``; then one ``dump_stages`` per dvc.yaml: dvc/repo/commit.py), but collects
     the pipeline once: the CLI re-parses dvc.yaml and rewrites dvc.lock once per named target (~3 s of CPU each at
-    100 cells)."""
+    100 cells).
+
+    ``ran_with``: the params.yaml text each stage ran with; a stage whose params as DVC records them now differ
+    from it is not recorded (it stays stale) and named on stdout (``REFUSED``): what is recorded is what ran."""
     from dvc.repo import Repo, lock_repo
 
     logging.getLogger("dvc").setLevel(logging.WARNING)  # the runner prints its own line
@@ -74,10 +118,15 @@ def commit(names: list[str]) -> None:
         unknown = [n for n in names if n not in stages]
         if unknown:
             raise KeyError(f"no stage {unknown[0]!r} in dvc.yaml")
-        chosen = [stages[n] for n in names]
-        for stage in chosen:
+        chosen = []
+        for stage in (stages[n] for n in names):
             stage.save()
+            key = changed_params(stage, ran_with[stage.addressing]) if ran_with is not None else None
+            if key is not None:
+                print(f"{REFUSED}{stage.addressing}: {key} changed after it started", flush=True)
+                continue
             stage.commit(relink=True)
+            chosen.append(stage)
         by_file: dict = {}
         for stage in chosen:
             by_file.setdefault(stage.dvcfile.path, (stage.dvcfile, []))[1].append(stage)
@@ -125,16 +174,55 @@ def repair() -> str | None:
     )
 
 
+def dvc_busy() -> str | None:
+    """The pid (as DVC wrote it) of a DVC command working in this repository (holding DVC_LOCK), or None."""
+    return flock_holder(DVC_LOCK)
+
+
+def repair_rwlock() -> str | None:
+    """At start, with no DVC command running: removes DVC's rwlock if it is not a JSON mapping (a DVC killed
+    while rewriting it in place leaves it empty or cut, and every DVC command then fails); DVC recreates it.
+    Returns a one-line note, or None when it was whole."""
+    try:
+        ok = isinstance(json.loads(RWLOCK.read_text(encoding="utf-8")), dict)
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        ok = False
+    if ok:
+        return None
+    RWLOCK.unlink()
+    return f"{RWLOCK} was cut or corrupt (a DVC command was killed while writing it); removed it, DVC starts a new one"
+
+
+def _die_with_runner() -> None:
+    """Under the grid runner (RUNNER_ENV): when the runner dies, even by SIGKILL, the kernel signals this DVC
+    (Linux prctl PR_SET_PDEATHSIG), which kills its whole process group: DVC and the stage command it runs (the
+    runner starts DVC as a session leader; DVC runs stage commands in its group)."""
+    runner = os.environ.get(RUNNER_ENV)
+    if not runner or not sys.platform.startswith("linux") or os.getpgrp() != os.getpid():
+        return
+    signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2))  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != runner:  # the runner died before prctl took effect
+        os.killpg(0, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     """Runs DVC with atomic writes; after a success, dvc.lock (whole: it was replaced whole) is the good copy."""
     patch_dvc()
     if argv[:1] == ["dvc"]:
         from dvc.cli import main as dvc_main
 
+        _die_with_runner()
         rc = dvc_main(argv[1:])
     elif argv[:1] == ["commit"] and argv[1:]:
+        ran_with = None
+        if argv[1].startswith("--ran-with="):
+            ran_with = json.loads(Path(argv[1].split("=", 1)[1]).read_text())
+            argv = argv[:1] + argv[2:]
         try:
-            commit(argv[1:])
+            commit(argv[1:], ran_with)
             rc = 0
         except Exception as e:  # DVC's errors are worded for users; one line
             print(f"error: recording {len(argv) - 1} stages in {LOCK}: {type(e).__name__}: {e}", file=sys.stderr)

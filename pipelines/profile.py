@@ -41,9 +41,14 @@ def merge(base, over, where: str = "") -> list[str]:
 def apply(name: str, params: Path = PARAMS_FILE, profiles: Path = PROFILES) -> list[str]:
     """Merges profiles/NAME.yaml into ``params`` (validated first; nothing written on error). Returns changed keys."""
     path = profiles / f"{name}.yaml"
+    known = ", ".join(sorted(p.stem for p in profiles.glob("*.yaml"))) or "none"
+    if path.resolve().parent != profiles.resolve():  # ../x, /etc/x or a link out: only the repository's profiles
+        raise ParamsError(
+            f"PROFILE {name!r}: not a file in {profiles}/ (it resolves to {path.resolve()}); profiles: {known}"
+        )
     if not path.is_file():
-        known = sorted(p.stem for p in profiles.glob("*.yaml"))
-        raise ParamsError(f"no profile {name!r} ({path} does not exist); profiles: {', '.join(known) or 'none'}")
+        raise ParamsError(f"no profile {name!r} ({path} does not exist); profiles: {known}")
+    read_yaml(params)  # params.yaml itself readable (UTF-8, plain YAML 1.2) before anything is merged into it
     over = read_yaml(path)
     if not isinstance(over, dict):
         raise ParamsError(f"{path}: must be a mapping of params.yaml sections")

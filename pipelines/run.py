@@ -32,9 +32,11 @@ Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) sto
 MLflow runs are marked FAILED), records the cells (or upstream stages) that finished, and exits with one line
 (status 130 or 143).
 A recording in progress always completes: it runs in its own process session, so a terminal's Ctrl-C does not
-reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers die with the runner even
-when it is killed with SIGKILL; the cells recorded by then are kept, the next run redoes the others (and marks
-the MLflow runs the killed workers left RUNNING as FAILED).
+reach it, and the runner waits for it; pressing Ctrl-C again changes nothing. Workers, and DVC with the stage it
+runs (the analysis), die with the runner even when it is killed with SIGKILL; the cells recorded by then are kept,
+the next run redoes the others (and marks the MLflow runs the killed processes left RUNNING as FAILED).
+Each cell is recorded only with the params.yaml values it ran with (lockfile.commit compares them): a cell whose
+parameters changed while it ran, or before it was recorded, is left stale and named, and the run fails at the end.
 DVC writes dvc.lock through pipelines.lockfile, which only ever replaces it whole.
 """
 
@@ -61,8 +63,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ablations.config import ParamsError, load_params
-from ablations.grid import Cell, calibrate_stages, calibration_cells, evaluation_cells, upstream_chains
+from ablations.config import PARAMS_FILE, ParamsError, load_params
+from ablations.grid import Cell, calibrate_stages, calibration_cells, evaluation_cells, find_cell, upstream_chains
 from pipelines import lockfile, tracking
 from pipelines.leftovers import clean_temp
 
@@ -135,8 +137,10 @@ def runner_lock(state: Path = STATE):
 
 def stage_env() -> dict[str, str]:
     """The environment of every DVC call: this interpreter's directory first on PATH, so that the `python` of
-    dvc.yaml's commands is this one even when the environment is not activated."""
-    return {**os.environ, "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), os.getenv("PATH")]))}
+    dvc.yaml's commands is this one even when the environment is not activated; and this runner's pid, so that
+    DVC and its stage commands die with the runner and pass tracking.refuse_beside_runner."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), os.getenv("PATH")]))
+    return {**os.environ, "PATH": path, tracking.RUNNER_ENV: str(os.getpid())}
 
 
 PROBE = "python -c 'import sys; print(sys.prefix); print(sys.executable)'"
@@ -231,12 +235,22 @@ class Recorder:
         self.waiting: list[Cell] = []
         self.batch: list[Cell] = []
         self.recorded: list[Cell] = []
+        self.stale: list[str] = []  # finished, but params.yaml changed before they were recorded: left stale
+        self.ran_with: dict[str, str] = {}
         self.proc: subprocess.Popen | None = None
         self.last = float("-inf")
         self.retried = False  # a commit killed by a signal is retried once
 
-    def add(self, cell: Cell) -> None:
+    def add(self, cell: Cell, ran_with: str | None) -> None:
+        """Queues a finished cell for recording, unless params.yaml changed while it ran (``ran_with`` None)."""
+        if ran_with is None:
+            return self._left_stale(cell.stage)
+        self.ran_with[cell.stage] = ran_with
         self.waiting.append(cell)
+
+    def _left_stale(self, stage: str) -> None:
+        self.stale.append(stage)
+        print(f"not recorded: {stage}: params.yaml changed after it started; it stays stale", flush=True)
 
     def poll(self, flush: bool = False) -> None:
         """Collects a finished commit; starts the next batch when due (``flush``: as soon as possible)."""
@@ -247,9 +261,11 @@ class Recorder:
             self._start()
 
     def _start(self) -> None:
+        ran_with = STATE / "commit-ran-with.json"  # what each cell of the batch ran with, for lockfile.commit
+        ran_with.write_text(json.dumps({c.stage: self.ran_with.get(c.stage) for c in self.batch}))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [*COMMIT, *(c.stage for c in self.batch)],
+                [*COMMIT, f"--ran-with={ran_with}", *(c.stage for c in self.batch)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -264,8 +280,11 @@ class Recorder:
         if rc:
             why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else _last_line(self.log.read_text())
             raise RunnerError(f"recording {len(self.batch)} finished {self.what} in dvc.lock failed: {why}")
-        self.recorded += self.batch
-        n, total = len(self.batch), len(self.recorded)
+        refused = lockfile.refused(self.log.read_text())
+        for stage in refused:
+            self._left_stale(stage)
+        self.recorded += [c for c in self.batch if c.stage not in refused]
+        n, total = len(self.batch) - len(refused), len(self.recorded)
         print(f"dvc.lock: recorded {n} more finished {self.what} ({total} so far)", flush=True)
 
     def finish(self) -> None:
@@ -308,13 +327,33 @@ def _init_worker(parent: int, gpus=None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
 
 
+RAN_WITH = "ran_with"  # a worker's summary key: the params.yaml text the cell ran with (None: it changed meanwhile)
+
+
+def _params_text() -> str | None:
+    try:
+        return PARAMS_FILE.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
-    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell."""
+    """One cell in a worker process (local or Ray): torch threads are set per process by run_cell. The cell is
+    taken from params.yaml as it is now (its arm's KL spec may have changed since the runner started), and the
+    summary carries the params.yaml text it ran with (``RAN_WITH``; None if the file changed while it ran), which
+    the recording compares with what DVC records (pipelines/lockfile.py ``commit``)."""
     os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
     try:
-        return run_cell(load_params(), cell)
+        before = _params_text()
+        params = load_params()
+        if isinstance(cell, Cell):
+            cell = find_cell(params, cell.stage)
+        summary = run_cell(params, cell)
+    except KeyError as e:  # the cell was removed from params.yaml after the runner started
+        raise RuntimeError(e.args[0]) from None
     except KeyboardInterrupt:  # SIGTERM during the cell: its MLflow run is marked FAILED by now
         os._exit(EXIT[signal.SIGTERM])
+    return {**summary, RAN_WITH: before if _params_text() == before else None}
 
 
 _READY: set[str] = set()
@@ -480,11 +519,11 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
                     s = backend.result(handle)
                 except Exception as e:  # report and go on: the other cells are still worth having
                     failed.append(cell.stage)
-                    print(f"[{done}/{n}] FAILED {cell.stage}: {_last_line(e)}", flush=True)
+                    print(f"[{done}/{n}] FAILED {cell.stage}: {tracking.fault_line(e) or _last_line(e)}", flush=True)
                     continue
-                recorder.add(cell)
                 print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
-                if getattr(cell, "next", None):
+                recorder.add(cell, s.get(RAN_WITH))
+                if getattr(cell, "next", None) and s.get(RAN_WITH) is not None:
                     pending[backend.submit(root, cell.next, run_cell)] = cell.next
             recorder.poll()
     finally:
@@ -501,6 +540,16 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
     return failed
 
 
+def check_stale(recorder: Recorder) -> None:
+    """Fails (one line) if finished stages were left unrecorded because params.yaml changed under them."""
+    if recorder.stale:
+        n, names = len(recorder.stale), ", ".join(recorder.stale)
+        raise RunnerError(
+            f"params.yaml changed while the runner ran: {n} finished {recorder.what} were left stale, not recorded "
+            f"({names}); run again to compute them with the current values"
+        )
+
+
 def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
     """Marks MLflow runs left RUNNING FAILED (tracking.fail_running). MLflow is only a mirror: a problem with it
     is a note, not a failure (the next start tries again)."""
@@ -512,13 +561,24 @@ def _fail_runs(experiment: str, reason: str, stages: set[str] | None = None) -> 
 
 
 def prepare(experiment: str) -> None:
-    """Repairs what a killed run left behind. Only under the runner lock: no other runner is working here."""
+    """Repairs what a killed run left behind. Only under the runner lock: no other runner is working here; and
+    only if no DVC command is (a plain `dvc repro` beside the runner is refused, as the runner is beside it)."""
+    dvc_pid = lockfile.dvc_busy()
+    if dvc_pid is not None:
+        raise RunnerError(
+            f"a DVC command (pid {dvc_pid}) is working in this repository (it holds {lockfile.DVC_LOCK}); wait for it "
+            "to end, then run again",
+            2,
+        )
     try:
-        note = lockfile.repair()
+        notes = [lockfile.repair(), lockfile.repair_rwlock()]
     except lockfile.BrokenLockError as e:
         raise RunnerError(str(e), 2) from None
-    if note:
+    for note in filter(None, notes):
         print(note, flush=True)
+    tracking_problem = tracking.store_problem()
+    if tracking_problem:
+        raise RunnerError(tracking_problem, 2)
     removed = clean_temp()
     if removed:
         print(f"removed {len(removed)} temporary files left by killed stages, e.g. {removed[0]}", flush=True)
@@ -587,10 +647,12 @@ def run_wave(todo: list[Cell], backend, env, sig: Signals, args, run_cell, exper
     """Runs the stale cells ``todo`` on the workers, recording them as they finish; RunnerError if any failed."""
     if not todo:
         return
-    failed = run_cells(todo, backend(), Recorder(env, args.commit_every), sig, run_cell, experiment)
+    recorder = Recorder(env, args.commit_every)
+    failed = run_cells(todo, backend(), recorder, sig, run_cell, experiment)
     if failed:
         n, names = len(failed), ", ".join(failed)
         raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+    check_stale(recorder)
 
 
 def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=upstream_stage) -> None:
@@ -605,6 +667,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
     env = stage_env()
     check_interpreter(env)
     with runner_lock():
+        os.environ[tracking.RUNNER_ENV] = str(os.getpid())  # the workers' stages pass refuse_beside_runner
         prepare(params.mlflow.experiment)
         sig.check("stopped before any compute")
         os.environ.setdefault("RLHF_THREADS", "1")
@@ -624,6 +687,7 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
                 failed = run_cells(ups, backend(), recorder, sig, run_stage, params.mlflow.experiment)
                 if failed:
                     raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
+                check_stale(recorder)
             where = _where(workers, slots, args.ray_address)
             cal = calibration_cells(params)
             todo = stale_cells(cal, env, sig)
@@ -641,8 +705,8 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
         finally:
             for b in pool:
                 b.close()
-        if not args.no_analysis:
-            dvc(["repro"], env, sig)
+        if not args.no_analysis:  # the running tasks' analyses (a task with no instances has none to run)
+            dvc(["repro", *(f"{task}_analysis" for task in params.tasks())], env, sig)
     print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
 
 
@@ -671,7 +735,11 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.code
-    except Exception as e:  # a bug of the runner: one line here, the traceback in a file
+    except Exception as e:  # a full disk or a corrupt store: one line; a bug of the runner: the traceback in a file
+        fault = tracking.fault_line(e)
+        if fault:
+            print(f"error: {fault}", file=sys.stderr, flush=True)
+            return 1
         log = Path(tempfile.mkstemp(prefix="pipelines-run-", suffix=".txt")[1])
         log.write_text(traceback.format_exc())
         print(f"error: unexpected {type(e).__name__}: {_last_line(e)} (traceback in {log})", file=sys.stderr)

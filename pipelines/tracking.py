@@ -17,17 +17,63 @@ tests/pipelines/test_mlflow_ui.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 STAGE_TAG = "dvc_stage"
+REPO_TAG = "repo_root"  # the repository a run belongs to: one MLflow store may serve several (MLFLOW_TRACKING_URI)
 ROOT = Path.cwd()  # stages run from the repo root (dvc.yaml's wdir)
+RUNNER_LOCK = Path(".dvc/tmp/runner/lock")  # pipelines/run.py runner_lock: held by the grid runner while it works
+RUNNER_ENV = "RLHF_RUNNER_PID"  # set by the runner for its workers and DVC calls
+
+
+def flock_holder(path: Path) -> str | None:
+    """The first word of ``path`` (its holder's pid) if another process holds an flock on it, else None."""
+    try:
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return (f.read().split() or ["unknown"])[0]
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def runner_holding() -> str | None:
+    """The pid of the grid runner working in this repository (it holds RUNNER_LOCK), or None."""
+    return flock_holder(ROOT / RUNNER_LOCK)
+
+
+def refuse_beside_runner() -> None:
+    """A stage that a plain `dvc repro` starts while the grid runner works here would delete or fail the runner's
+    MLflow runs and race its outputs: it stops first, in one line (the runner's own stages pass)."""
+    holder = runner_holding()
+    if holder is not None and os.environ.get(RUNNER_ENV) != holder:
+        sys.exit(
+            f"error: the grid runner (pid {holder}) is working in this repository; `dvc repro` beside it is refused: "
+            f"wait for it, or stop it with `kill {holder}`"
+        )
+
+
+def _ours(run) -> bool:
+    """A run of this repository: tagged with its root, or untagged in the repository's own store."""
+    tag = run.data.tags.get(REPO_TAG)
+    return tag == str(ROOT) if tag is not None else _own_store()
+
+
+def _own_store() -> bool:
+    uri = tracking_uri()
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    return path is not None and path.resolve().is_relative_to(ROOT.resolve())
 
 
 def tracking_uri() -> str:
@@ -73,12 +119,15 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
     """Opens the MLflow run of ``stage``: earlier runs of the same stage are deleted first (re-running a cell
     leaves one visible run), the resolved config is logged as params, and the run ends FINISHED, or FAILED
     if the block raises or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
+    refuse_beside_runner()
     client, exp_id = _client(experiment)
     for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
-        client.delete_run(old.info.run_id)
+        if _ours(old):  # never another repository's run of the same stage name
+            client.delete_run(old.info.run_id)
     from pipelines import cpu
 
-    all_tags = {STAGE_TAG: stage, "git_commit": git_commit(), **{k: str(v) for k, v in (tags or {}).items()}}
+    all_tags = {STAGE_TAG: stage, REPO_TAG: str(ROOT), "git_commit": git_commit()}
+    all_tags |= {k: str(v) for k, v in (tags or {}).items()}
     all_tags |= {f"determinism.{k}": v for k, v in cpu.settings().items()}  # what decides the float results
     run = client.create_run(exp_id, run_name=stage, tags=all_tags)
     run_id = run.info.run_id
@@ -107,6 +156,44 @@ def _existing_store() -> str | None:
     return uri
 
 
+def fault_line(e: BaseException) -> str | None:
+    """One line with the way out for the faults a stage cannot fix itself (a full disk, a corrupt MLflow store),
+    from any exception whose chain names one; None for anything else."""
+    chain, x = [], e
+    while x is not None and len(chain) < 10:
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    text = " ".join(chain)
+    if "No space left on device" in text or "database or disk is full" in text:
+        return (
+            "disk full (No space left on device); free space and rerun: cells recorded in dvc.lock are kept, the "
+            "others run again"
+        )
+    if "DatabaseError" in text or "malformed" in text or "not a database" in text:
+        uri = tracking_uri()
+        store = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else uri
+        return (
+            f"the MLflow store {store} is corrupt ({'DatabaseError' if 'DatabaseError' in text else 'malformed'}); "
+            f"results are safe in DVC (dvc.lock, runs/, reports/): move {Path(store).name} aside and rerun; MLflow "
+            "then logs the runs of the stages that run from now on"
+        )
+    return None
+
+
+def store_problem() -> str | None:
+    """fault_line of the MLflow store if it exists and cannot be read (None if it reads, or does not exist)."""
+    uri = _existing_store()
+    if uri is None:
+        return None
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as e:
+        return fault_line(e) or f"the MLflow store {uri} cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
 def fail_running(experiment: str, reason: str, stages: set[str] | None = None) -> list[str]:
     """Marks FAILED the runs of ``experiment`` still RUNNING whose process is gone (killed, or stopped by the
     runner), only those of ``stages`` if given, with the tag ``failure: reason``. Returns their stage names.
@@ -128,7 +215,7 @@ def fail_running(experiment: str, reason: str, stages: set[str] | None = None) -
         )
         for run in page:
             stage = run.data.tags.get(STAGE_TAG, run.info.run_name)
-            if stages is None or stage in stages:
+            if _ours(run) and (stages is None or stage in stages):
                 client.set_tag(run.info.run_id, "failure", reason)
                 client.set_terminated(run.info.run_id, "FAILED")
                 failed.append(stage)

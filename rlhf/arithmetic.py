@@ -78,6 +78,7 @@ PLUS, MINUS, EQUALS = 12, 13, 14
 VOCAB_SIZE = 15
 Split = Literal["train", "eval", "ood"]
 POOLS = ("eval", "rl", "sft")
+MAX_DRAW_ROUNDS = 10_000  # _pairs: a pool with a share >= 0.01 fills in ~50 rounds; an empty one fails
 _PRIME = 2_147_483_647  # 2^31 - 1, modulus of the split hash
 
 
@@ -141,16 +142,24 @@ class Arithmetic:
         return (u >= self.eval_fraction).long() + (u >= self.eval_fraction + self.rl_fraction).long()
 
     def _pairs(self, pool: str, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """n operand pairs drawn uniformly from [0, 10^n)^2 conditioned on lying in ``pool`` (rejection)."""
+        """n operand pairs drawn uniformly from [0, 10^n)^2 conditioned on lying in ``pool`` (rejection, at most
+        MAX_DRAW_ROUNDS rounds of 2n draws: ValueError if the pool is too small to fill them)."""
         want, hi = POOLS.index(pool), 10**self.n_digits
         a_out, b_out, have = [], [], 0
-        while have < n:
+        for _ in range(MAX_DRAW_ROUNDS):
+            if have >= n:
+                break
             a = torch.randint(0, hi, (2 * n,), generator=generator)
             b = torch.randint(0, hi, (2 * n,), generator=generator)
             keep = self.pool(a, b) == want
             a_out.append(a[keep])
             b_out.append(b[keep])
             have += int(keep.sum())
+        if have < n:
+            raise ValueError(
+                f"the {pool!r} pool of operand pairs gave {have} of {n} pairs in {MAX_DRAW_ROUNDS * 2 * n} draws: "
+                "it is (nearly) empty; raise its share (eval_fraction, rl_fraction, or what they leave for sft)"
+            )
         return torch.cat(a_out)[:n], torch.cat(b_out)[:n]
 
     def sample_prompts(self, split: Split, n: int, generator: torch.Generator) -> torch.Tensor:

@@ -3,6 +3,7 @@ and what is allowed; the check is torch-free and fast; params.yaml itself is com
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ from ..conftest import REPO, repo_params
 def check(tmp_path, params: dict | str) -> str:
     """The one-line error of loading ``params`` (a dict or raw YAML text) from tmp_path/params.yaml."""
     path = tmp_path / "params.yaml"
-    path.write_text(params if isinstance(params, str) else yaml.safe_dump(params, sort_keys=False))
+    unshared = params if isinstance(params, str) else json.loads(json.dumps(params))  # no YAML anchors
+    path.write_text(unshared if isinstance(params, str) else yaml.safe_dump(unshared, sort_keys=False))
     with pytest.raises(ParamsError) as err:
         load_params(path)
     message = str(err.value)

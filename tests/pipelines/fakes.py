@@ -137,7 +137,7 @@ def _commit(names: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["commit"]:
-        _commit(argv[1:])
+        _commit([a for a in argv[1:] if not a.startswith("--ran-with=")])
     elif argv[:2] == ["dvc", "repro"]:
         with open(Path(os.environ["FAKE_DIR"]) / "repro", "a") as f:
             f.write(" ".join(argv[2:]) + "\n")

@@ -87,3 +87,22 @@ def test_edit_that_breaks_validation_names_what_and_writes_nothing(repo):
         edit(repo / "params.yaml", lambda doc: doc["grammar"]["instances"].append(100), "params.yaml with a bad edit")
     assert (repo / "params.yaml").read_text() == text
     assert sorted(p.name for p in repo.iterdir()) == ["params.yaml", "profiles"]
+
+
+@pytest.mark.parametrize("name", ["../params", "/etc/hostname", "../../outside"])
+def test_a_profile_outside_profiles_is_refused_and_nothing_is_written(repo, name):
+    (repo.parent / "outside.yaml").write_text("grid:\n  seeds: [5]\n")
+    before = (repo / "params.yaml").read_bytes()
+    with pytest.raises(ParamsError, match=rf"^PROFILE '{name}': not a file in .*profiles/ \(it resolves to "):
+        apply(name, repo / "params.yaml", repo / "profiles")
+    assert (repo / "params.yaml").read_bytes() == before
+
+
+@pytest.mark.parametrize("which", ["profile", "params.yaml"])
+def test_non_utf8_profile_or_params_fails_in_one_line(repo, which):
+    write(repo, "p", "grid:\n  seeds: [0, 1]\n")
+    target = repo / "profiles" / "p.yaml" if which == "profile" else repo / "params.yaml"
+    target.write_bytes(target.read_bytes() + b"# \xe9t\xe9\n")
+    with pytest.raises(ParamsError, match=r"not UTF-8 text \(byte \d+ is 0xe9\); save it as UTF-8$") as err:
+        apply("p", repo / "params.yaml", repo / "profiles")
+    assert "\n" not in str(err.value) and str(target) in str(err.value)

@@ -296,12 +296,12 @@ def test_a_commit_killed_by_a_signal_is_retried_once_and_then_reported(workdir, 
     (workdir / run.STATE).mkdir(parents=True)
     recorder = run.Recorder(run.stage_env(), every_s=0)
     for cell in GRID[:2]:
-        recorder.add(cell)
+        recorder.add(cell, "")
     recorder.finish()
     assert recorder.recorded == GRID[:2] and "recorded 2 more finished cells" in capsys.readouterr().out
     # Killed again: reported in one line, with the signal.
     monkeypatch.setattr(run, "COMMIT", [sys.executable, "-c", script + "os.kill(os.getpid(), signal.SIGKILL)"])
-    recorder.add(GRID[2])
+    recorder.add(GRID[2], "")
     with pytest.raises(run.RunnerError, match=r"^recording 1 finished cells in dvc.lock failed: killed by SIGKILL$"):
         recorder.finish()
 

@@ -282,3 +282,16 @@ def test_sft_reaches_the_documented_band():
         responses = generate(model, prompts[split], task.max_new_tokens, 1.0, torch.Generator().manual_seed(1), EOS)
         acc = task.metrics(prompts[split], responses)["accuracy"].mean().item()
         assert lo <= acc <= hi, f"SFT {split} accuracy {acc:.3f} outside [{lo}, {hi}] after {seconds:.0f} s"
+
+
+def test_an_empty_pool_fails_in_bounded_time_instead_of_hanging(monkeypatch):
+    """A pool no operand pair falls into (eval_fraction 1e-9: the data stage used to hang) ends the draw with one
+    line (issue 20; params.yaml refuses such fractions before any compute)."""
+    import rlhf.arithmetic as A
+
+    monkeypatch.setattr(A, "MAX_DRAW_ROUNDS", 50)
+    task = make(eval_fraction=1e-9)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"the 'eval' pool of operand pairs gave 0 of 64 pairs in 6400 draws"):
+        task.sample_prompts("eval", 64, torch.Generator().manual_seed(0))
+    assert time.perf_counter() - start < 10
