@@ -84,9 +84,9 @@ BAD = [
     # protocol v3: calibration instances, calibration rules, the design
     ("calibration coefs too few", lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 0.3]), "at least 3"),
     (
-        "calibration coef as an integer",
-        lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 1, 3.0]),
-        "write every coefficient as a decimal number (1.0, not 1)",
+        "calibration coef written twice, as an int and a float",  # one value, two DVC stage names
+        lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 1, 1.0]),
+        "duplicate coefficient 1",
     ),
     (
         "calibration coef duplicate",
@@ -144,9 +144,9 @@ BAD = [
         "grammar.instances: 3 instances must be whole batches",
     ),
     (
-        "exploratory KL target as an integer",
-        lambda p: p["grammar"].update(kl_targets=[2]),
-        "write every KL target as a decimal number",
+        "exploratory KL target written twice, as an int and a float",
+        lambda p: p["grammar"].update(kl_targets=[2, 2.0]),
+        "duplicate KL target 2",
     ),
     (
         "adaptive arm without a horizon",

@@ -18,8 +18,8 @@ HF = {"family": None, "intermediate_size": None, "tokens": None, "bf16": False}
 DIAGNOSTICS = {"at": [1], "n_true": 16, "n_minibatches": 2}
 
 
-def margins(task: str, **m) -> callable:
-    return lambda p: p["analysis"]["tasks"][task]["margins"].update(m)
+def metric(task: str, name: str) -> callable:
+    return lambda p: p["analysis"]["tasks"][task]["metrics"].append(name)
 
 
 def ppo(**values) -> callable:
@@ -33,20 +33,32 @@ def arm(name: str, **values) -> callable:
 
 # (id, a change to the tiny grid's params (a function of the dict, or the YAML text itself), the one line's words)
 CASES = [
-    ("margin for an unknown metric", margins("grammar", goldd=0.1), "analysis.tasks.grammar.margins.goldd: task"),
-    ("margin for a metric the task lacks", margins("grammar", ood_gold=0.1), "grammar has no metric 'ood_gold'"),
-    ("margin without an upper bound", margins("arithmetic", gold=1e6), "analysis.tasks.arithmetic.margins.gold: must"),
+    ("an unknown metric", metric("grammar", "goldd"), "analysis.tasks.grammar.metrics: task grammar has no metric"),
+    ("a metric the task lacks", metric("grammar", "ood_gold"), "grammar has no metric 'ood_gold'"),
+    (  # margins are calibrated: a share of the no-KL gain, at most all of it
+        "a margin larger than the whole gain",
+        lambda p: p["grammar"]["calibration"].update(margin_fraction=1e6),
+        "grammar.calibration.margin_fraction: Input should be less than or equal to 1",
+    ),
     ("eval_seed of 2**64", ppo(eval_seed=2**64), "grammar.ppo.eval_seed: must be in [0, 2147483647]"),
     ("diagnostics seed 1e14", ppo(diagnostics={**DIAGNOSTICS, "seed": 10**14}), "grammar.ppo.diagnostics: seed"),
     ("arm name of 240 characters", arm("a" * 240), "at most 64 characters"),
     ("missing_eos_score -1e308", ppo(missing_eos_score=-1e308), "grammar.ppo.missing_eos_score: must be in"),
     ("temperature 1e-300", ppo(temperature=1e-300), "grammar.ppo.temperature: must be in [0.01, 100]"),
     ("vf_coef 1e308", ppo(vf_coef=1e308), "grammar.ppo.vf_coef: must be in [0, 100]"),
-    ("no instances in one task", lambda p: p["grammar"].update(instances=[]), "grammar.instances: must list"),
+    (  # a task runs with both instance lists or neither (then make repro skips it)
+        "evaluation instances but no calibration instances",
+        lambda p: p["grammar"].update(instances=[]),
+        "grammar: instances and calibration.instances must both be empty (the task does not run) or both non-empty",
+    ),
     (
         "no instances at all",
-        lambda p: [p[t].update(instances=[]) for t in ("grammar", "arithmetic")],
-        "grammar.instances: must list at least one instance",
+        lambda p: [
+            p[t].update(instances=[], calibration={**p[t]["calibration"], "instances": []})
+            for t in p
+            if t in ("grammar", "arithmetic")
+        ],
+        "no task runs: give at least one of grammar, arithmetic instances",
     ),
     (
         "pretrained path that does not exist",
@@ -61,7 +73,7 @@ CASES = [
     (
         "eval_fraction 1e-9",
         lambda p: p["arithmetic"]["task"].update(eval_fraction=1e-9),
-        "arithmetic.task: eval_fraction = 1e-09 leaves too few of the 10000 operand pairs",
+        "arithmetic.task: eval_fraction = 1e-09 leaves too few of the",
     ),
     (
         "rl_fraction 1e-9",
@@ -82,11 +94,11 @@ CASES = [
         lambda p: p["grammar"]["model"].update(d_model=65536, n_layers=1000),
         "is above the limit 1e+12",
     ),
-    ("eval_every above iterations", ppo(eval_every=4), "grammar.ppo: eval_every (4) must be <= iterations (3)"),
+    ("eval_every above iterations", ppo(eval_every=5), "grammar.ppo: eval_every (5) must be <= iterations (4)"),
     (
         "ref_sync_every of 10**12",
         arm("moving", ref_sync_every=10**12, ref_sync_alpha=1.0),
-        "grid.arms.moving.ref_sync_every (1000000000000) must be <= grammar.ppo.iterations (3)",
+        "grid.arms.moving.ref_sync_every (1000000000000) must be <= grammar.ppo.iterations (4)",
     ),
     ("%YAML 1.1 with seed 010", "%YAML 1.1\n---\nSEEDED", "1: '%YAML 1.1': no %YAML directive"),
     ("octal-looking seed", "SEEDED", "grid.seeds.1: '010': write the number without leading zeros"),

@@ -129,7 +129,11 @@ def test_pretrained_directory_in_params_yaml_loads_through_build_lm(tmp_path, ma
             want = saved(torch.tensor(ids)[prompts])[..., ids]
         else:
             want = saved(prompts)
-    assert got.shape == (5, max_len, vocab) and torch.equal(got, want)
+    assert got.shape == (5, max_len, vocab)
+    if mapped:  # a head of the task's rows against the full head, sliced: matmuls of two shapes, which MKL may round
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # differently where its CNR pin is off (AMD)
+    else:
+        assert torch.equal(got, want)
 
     # bf16 from params.yaml: autocast on, fp32 weights and logits.
     set_precision(model_params, lm)
