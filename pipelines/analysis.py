@@ -1,10 +1,12 @@
-"""DVC stage `<task>_analysis`: reads the task's runs (runs/<task>/...) of the params.yaml grid, writes reports/<task>/.
+"""DVC stage `<task>_analysis`: reads the task's evaluation runs (runs/<task>/...) of the params.yaml grid and its
+calibrated protocol (protocol/<task>.json, with the commit git has held it since), writes reports/<task>/.
 
     python -m pipelines.analysis grammar
 
-Outputs (ablations.analysis.TASK_OUTPUTS) in reports/<task>/: report.md, stats.json (DVC metrics), comparisons.csv,
-runs.csv and figures/. Everything is written to a temporary sibling folder first and moved into place only when
-complete, so an interrupted run leaves the previous report (or none), never half of one.
+Outputs (ablations.analysis.TASK_OUTPUTS) in reports/<task>/: report.md, answer.md (the README's answer block,
+pipelines/readme.py), stats.json (DVC metrics), comparisons.csv, runs.csv and figures/. Everything is written to a
+temporary sibling folder first and moved into place only when complete, so an interrupted run leaves the previous
+report (or none), never half of one.
 """
 
 from __future__ import annotations
