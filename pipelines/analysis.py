@@ -69,9 +69,12 @@ def main(
             expected = [ExpectedRun(c.stage, c.out_dir) for c in task_cells]
             # every evaluation result must postdate the protocol; the calibration cells are what fixed it
             judged = {c.stage for c in task_cells}
+            # every param a stage of the task declares, except its evaluation instances: appending the next batch
+            # (make settle) is the pre-registered sequential design, not a change of protocol
+            watched = [k for k in watched_keys(root / "dvc.yaml", [f"{task}_"]) if k != f"{task}.instances"]
             lock = protocol_lock(
                 root,
-                watched_keys(root / "dvc.yaml", [f"{task}_"]),
+                watched,
                 judged,
                 watched_files=[path.as_posix()],
                 report_path=(REPORTS_DIR / task / "stats.json").as_posix(),
