@@ -285,11 +285,3 @@ def bimodality_p(values) -> float:
     null = _bimodality_null(len(x))
     exceed = len(null) - np.searchsorted(null, obs * (1 - 1e-12), side="left")
     return float((1 + exceed) / (1 + len(null)))
-
-
-def halves(instances: Sequence) -> tuple[list, list]:
-    """The instances sorted and dealt alternately into two halves (positions 0, 2, 4, ... and 1, 3, 5, ...): the
-    cross-fitting folds of Q4 and the split of the stability check. Task seeds are exchangeable, so a fixed rule
-    chosen before the results is as good as a random one and needs no seed."""
-    s = sorted(instances)
-    return s[0::2], s[1::2]

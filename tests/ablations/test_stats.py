@@ -170,10 +170,3 @@ def test_bimodality_test_flags_two_groups_not_normal_samples():
     # cell table flags it by the pre-registered collapse rule instead (tests/ablations/test_analysis.py)
     assert S.bimodality_p([0.12, 0.10, -2.1, -3.9, -2.6, -1.8]) > 0.01
     assert math.isnan(S.bimodality_p([1.0, 1.0, 1.0, 1.0])) and math.isnan(S.bimodality_p([1.0, 2.0]))
-
-
-def test_halves_alternate_and_partition():
-    a, b = S.halves([5, 3, 1, 0, 2, 4])
-    assert a == [0, 2, 4] and b == [1, 3, 5]
-    a, b = S.halves([7, 9, 11])
-    assert a == [7, 11] and b == [9]
