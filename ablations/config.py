@@ -18,9 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
-from rlhf.config import Aggregation, Algorithm, Estimator, KLConfig, PGAggregation, PPOConfig, RatioLevel, Target
+from rlhf.config import Estimator, KLConfig, PPOConfig
 
 PARAMS_FILE = Path("params.yaml")
 STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -191,37 +201,23 @@ class PPODefaults(PPOConfig):
         return d
 
 
-class Arm(BaseModel):
-    """One variant of the grid: a KLConfig without its coefficient (the grid's coefs, or the matched cells'
-    controller, supply it), optionally under another algorithm than the task's ``ppo.algorithm``.
+PPO_OVERRIDES = (  # the PPOConfig fields an arm may replace (rlhf/config.py documents each)
+    "algorithm",
+    "group_size",
+    "cliprange_high",
+    "dual_clip",
+    "ratio_level",
+    "entropy_coef",
+    "pg_aggregation",
+    "dr_grpo",
+)
+CONTROLLER = ("coef", "adaptive_target", "horizon")  # a KLConfig's strength: the grid's coefs or the matched cells
 
-    Every field but target, placement and estimator is an option that is off when absent (rlhf/config.py
-    KLConfig documents each, with its source; rlhf/kl.py's CONTRACT gives each accepted combination's expected
-    gradient). The fields of PPO_OVERRIDES replace the task's ppo values for this arm (rlhf/config.py PPOConfig:
-    algorithm, group_size, clip-higher, dual-clip, GSPO's sequence ratio, entropy bonus, policy-loss aggregation,
-    Dr. GRPO)."""
+
+class _ArmMethods(BaseModel):
+    """What every arm does with its fields (the fields themselves are KLConfig's and PPOConfig's, below)."""
 
     model_config = STRICT
-    target: Target
-    placement: Literal["reward", "loss", "both"]
-    estimator: Estimator
-    adaptive_target: FiniteFloat | None = None
-    horizon: int | None = None
-    is_weight: bool = False
-    aggregation: Aggregation | None = None
-    both_split: FiniteFloat | None = None
-    return_to_go: bool = False
-    kl_clamp: FiniteFloat | None = None
-    ref_sync_every: int | None = None
-    ref_sync_alpha: FiniteFloat | None = None
-    algorithm: Algorithm | None = None
-    group_size: int | None = None
-    cliprange_high: FiniteFloat | None = None
-    dual_clip: FiniteFloat | None = None
-    ratio_level: RatioLevel | None = None
-    entropy_coef: FiniteFloat | None = None
-    pg_aggregation: PGAggregation | None = None
-    dr_grpo: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -233,25 +229,40 @@ class Arm(BaseModel):
             )
         return data
 
-    def kl(self, coef: float, **override) -> KLConfig:
-        """This arm's KLConfig at ``coef`` (``override``: e.g. a matched cell's adaptive_target and horizon)."""
-        return KLConfig(**{**self.model_dump(exclude=set(PPO_OVERRIDES)), "coef": coef, **override})
+    def kl(self, coef: float, **controller) -> KLConfig:
+        """This arm's KLConfig at ``coef`` (``controller``: a matched cell's adaptive_target and horizon)."""
+        return KLConfig(**self.model_dump(exclude=set(PPO_OVERRIDES)), coef=coef, **controller)
 
     def ppo_overrides(self) -> dict:
-        """The task's ppo values this arm replaces (algorithm, group_size)."""
+        """The task's ppo values this arm replaces (algorithm, group_size, policy-loss options)."""
         return {k: v for k in PPO_OVERRIDES if (v := getattr(self, k)) is not None}
 
 
-PPO_OVERRIDES = (
-    "algorithm",
-    "group_size",
-    "cliprange_high",
-    "dual_clip",
-    "ratio_level",
-    "entropy_coef",
-    "pg_aggregation",
-    "dr_grpo",
+def _optional(field: FieldInfo) -> tuple:
+    """A PPOConfig field as an arm's override: the same type and bounds, or None (the task's value)."""
+    return (field.annotation | None, FieldInfo.merge_field_infos(field, default=None))
+
+
+# One variant of the grid: a KLConfig without its strength (CONTROLLER: the grid's coefs, or the matched cells'
+# controller, supply it), optionally under other PPOConfig values than the task's (PPO_OVERRIDES). Its fields are
+# derived from those two models, so a new KL option is declared once, in rlhf/config.py.
+Arm = create_model(
+    "Arm",
+    __base__=_ArmMethods,
+    __doc__="One variant of the grid: KLConfig's fields but its strength, and PPOConfig's PPO_OVERRIDES (None: the "
+    "task's value). rlhf/config.py documents every field; rlhf/kl.py CONTRACT each combination's expected gradient.",
+    **{
+        **{k: (f.annotation, f) for k, f in KLConfig.model_fields.items() if k not in CONTROLLER},
+        "estimator": (Estimator, Field()),  # an arm has a KL: placement 'none' is the baseline, not an arm
+        **{k: _optional(PPOConfig.model_fields[k]) for k in PPO_OVERRIDES},
+    },
 )
+
+
+def spec_of(config: PPOConfig) -> dict:
+    """The arm of a cell's whole config: its KL without the strength and every PPO_OVERRIDES value (typed; None or
+    False when off). Two cells of one arm have the same spec; the analysis compares arms by it."""
+    return {**config.kl.model_dump(exclude=set(CONTROLLER)), **{k: getattr(config, k) for k in PPO_OVERRIDES}}
 
 
 class MatchedParams(BaseModel):

@@ -1,6 +1,7 @@
 """Stage of one cell, named as DVC names it (ablations/grid.py): one PPO run -> runs/<task>/<kind>/<key>/.
 
-Writes summary.json (DVC metrics), evals.csv and history.csv (DVC plots), all at once when the run ends.
+Writes summary.json (DVC metrics; ``config`` is the run's whole PPOConfig, nested, as the grid built it, which the
+analysis reads back through the model), evals.csv and history.csv (DVC plots), all at once when the run ends.
 
     python -m pipelines.ppo grammar_design@100-loss_k3-tuned-0    # at the value protocol/grammar.json fixed
     python -m pipelines.ppo grammar_calibration@0-reward_k1-0.1-0
@@ -99,7 +100,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
     if task.reward == "learned":
         reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
-    cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    cfg = cell.config  # built once, in the grid
     axes = cell_axes(cell, cfg)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
@@ -115,7 +116,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
                 progress=lambda row: bar.update(),
             )
         wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
-        summary = {"stage": cell.stage, **axes, **out["summary"]}
+        summary = {"stage": cell.stage, **axes, "config": cfg.model_dump(mode="json"), **out["summary"]}
         tracking.log_metrics(client, rid, out["history"], prefix="train/")
         tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
         for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
