@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ablations.config import Params
+from ablations.experiment import Experiment
 from rlhf.config import KLConfig, PPOConfig, no_kl
 
 RUNS_DIR = Path("runs")
@@ -116,7 +116,7 @@ def role_value(protocol: dict, arm: str, role: str) -> float:
     return float(protocol[{"coef": "coef", "control": "control_coef", "target": "kl_target"}[role]])
 
 
-def cell_config(params: Params, task: str, arm: str, seed: int, coef: float = 0.0, target: float | None = None):
+def cell_config(params: Experiment, task: str, arm: str, seed: int, coef: float = 0.0, target: float | None = None):
     """The whole PPOConfig of one cell: ``task``'s ppo values with ``arm``'s overrides and its KL at ``coef``, or
     steered to the KL ``target`` by the matched controller (grid.matched); the no-KL config for BASELINE."""
     section = getattr(params, task)
@@ -127,7 +127,7 @@ def cell_config(params: Params, task: str, arm: str, seed: int, coef: float = 0.
     return section.ppo_config(kl, seed, **spec.ppo_overrides())
 
 
-def resolve(cell: Cell, params: Params, protocol: dict) -> Cell:
+def resolve(cell: Cell, params: Experiment, protocol: dict) -> Cell:
     """A design cell with its config, from the calibrated ``protocol``; any other cell unchanged."""
     if cell.kind != "design":
         return cell
@@ -137,7 +137,7 @@ def resolve(cell: Cell, params: Params, protocol: dict) -> Cell:
     return replace(cell, config=cell_config(params, cell.task, cell.arm, cell.seed, coef=value), coef=value)
 
 
-def calibration_cells(params: Params) -> list[Cell]:
+def calibration_cells(params: Experiment) -> list[Cell]:
     """The cells of every task's calibration instances: the no-KL baseline and every calibration arm at every
     calibration coefficient, x seeds."""
     g, out = params.grid, []
@@ -152,7 +152,7 @@ def calibration_cells(params: Params) -> list[Cell]:
     return out
 
 
-def evaluation_cells(params: Params) -> list[Cell]:
+def evaluation_cells(params: Experiment) -> list[Cell]:
     """Every evaluation cell, in a stable order: by task, instance, kind (baseline, design, fixed, matched), arm,
     strength, seed. Design cells are unresolved (``resolve``)."""
     g, out = params.grid, []
@@ -173,12 +173,12 @@ def evaluation_cells(params: Params) -> list[Cell]:
     return out
 
 
-def cells(params: Params) -> list[Cell]:
+def cells(params: Experiment) -> list[Cell]:
     """Every cell of the current params: the calibration cells, then the evaluation cells."""
     return calibration_cells(params) + evaluation_cells(params)
 
 
-def find_cell(params: Params, stage: str) -> Cell:
+def find_cell(params: Experiment, stage: str) -> Cell:
     """The cell of ``params`` whose DVC stage name is ``stage`` (KeyError naming the stage otherwise)."""
     for c in cells(params):
         if c.stage == stage:
@@ -186,25 +186,25 @@ def find_cell(params: Params, stage: str) -> Cell:
     raise KeyError(f"no cell named {stage!r} in params.yaml (stale dvc.yaml entry, or a grid value was removed)")
 
 
-def upstream_stages(params: Params) -> list[str]:
+def upstream_stages(params: Experiment) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
     task) reward models of the calibration and the evaluation instances."""
-    last = lambda task, section: "rm" if hasattr(section, "rm") else "sft"
+    last = lambda task, section: "rm" if section.learned_reward else "sft"
     return [f"{t}_{p}{last(t, s)}" for t, s in params.tasks().items() for p in ("calibration_", "")]
 
 
-def calibrate_stages(params: Params) -> list[str]:
+def calibrate_stages(params: Experiment) -> list[str]:
     """The stages that fix each task's protocol from its calibration cells (dvc.yaml ``<task>_calibrate``)."""
     return [f"{task}_calibrate" for task in params.tasks()]
 
 
-def upstream_chains(params: Params, evaluation: bool = True) -> list[list[str]]:
+def upstream_chains(params: Experiment, evaluation: bool = True) -> list[list[str]]:
     """The upstream stages of each task instance in the order they run (data, sft, and rm for a learned-reward
     task), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
     instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
-        kinds = ["data", "sft", "rm"] if hasattr(section, "rm") else ["data", "sft"]
+        kinds = ["data", "sft", "rm"] if section.learned_reward else ["data", "sft"]
         sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
         for prefix, instances in sets:
             chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ablations.config import spec_of as arm_spec
+from ablations.experiment import spec_of as arm_spec
 from rlhf.config import PPOConfig
 
 BASELINE = "none"
