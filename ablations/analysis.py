@@ -185,7 +185,7 @@ def write_task(res: Results, task: str, out_dir: Path | str) -> list[Path]:
     (d / "figures").mkdir(parents=True, exist_ok=True)
     images = plots.all_figures(tr, proto, d / "figures")
     tr.comparisons.to_csv(d / "comparisons.csv", index=False)
-    tr.runs.to_csv(d / "runs.csv", index=False)
+    tr.runs.drop(columns="config").to_csv(d / "runs.csv", index=False)  # the flat axes; configs: summary.json
     (d / "stats.json").write_text(json.dumps(report.task_stats(tr, res), indent=2) + "\n")
     (d / "answer.md").write_text(report.answer_block(tr, proto))
     (d / "report.md").write_text(report.render_task(tr, res, {k: v.relative_to(d).as_posix() for k, v in images}))

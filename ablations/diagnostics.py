@@ -27,28 +27,28 @@ import numpy as np
 import pandas as pd
 
 from ablations import stats as S
-from ablations.load import BASELINE
+from ablations.load import BASELINE, spec_of
 from rlhf.config import ALGORITHMS, ESTIMATORS, TARGETS
 
 METRICS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
            "rel_bias_excess", "rel_var")  # fmt: skip
 REGIMES = ("on_policy", "off_policy", "on_policy_own", "off_policy_own")
-# the arm's spec as cell_axes (pipelines/ppo.py) writes it into summary.json; "-" or absent = off
+# the fields of an arm's spec (ablations.load.spec_of, from each run's config) the table shows and orders by
 SPEC = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "return_to_go",
         "both_split", "ref_sync_every", "ref_sync_alpha", "kl_clamp")  # fmt: skip
 PLACEMENT_ORDER = ("reward", "loss", "both")
-OFF = ("-", "", None, False, "False", "false")  # how a switched-off option appears in summary.json / runs.csv
 
 
 def is_off(v) -> bool:
-    return v in OFF or (isinstance(v, float) and np.isnan(v))
+    """A switched-off option of a typed spec: None or False (NaN: None in a numeric column)."""
+    return v is None or v is False or v is np.False_ or (isinstance(v, float) and np.isnan(v))
 
 
 def arm_spec(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per KL arm (first appearance order) with its SPEC fields (those runs.csv has)."""
+    """One row per KL arm (first appearance order) with its SPEC fields, read from its runs' configs."""
     kl = runs[runs.arm != BASELINE].drop_duplicates("arm")
-    cols = [c for c in SPEC if c in kl.columns]
-    return kl[["arm", *cols]].reset_index(drop=True)
+    rows = [{"arm": r["arm"], **{k: spec_of(r)[k] for k in SPEC}} for r in kl.to_dict("records")]
+    return pd.DataFrame(rows, columns=["arm", *SPEC])
 
 
 def own_regimes(diag: pd.DataFrame) -> pd.DataFrame:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ablations.config import Params
-from rlhf.config import KLConfig, no_kl
+from ablations.experiment import Experiment
+from rlhf.config import KLConfig, PPOConfig, no_kl
 
 RUNS_DIR = Path("runs")
 PROTOCOL_DIR = Path("protocol")
@@ -51,18 +51,22 @@ def stage_name(group: str, *values) -> str:
 @dataclass(frozen=True)
 class Cell:
     """One PPO run: a task instance, an arm and its strength (a fixed coef, a KL target, or a design role whose
-    value the calibration fixes), a seed. ``kl`` is None for a design cell until ``resolve`` fills it in."""
+    value the calibration fixes), a seed, and the whole PPOConfig of its run: None for a design cell until ``resolve``
+    fills it in."""
 
     task: str
     kind: str  # one of CALIBRATION_KINDS + KINDS
     instance: int
     arm: str  # BASELINE for the no-KL arm
     seed: int
-    kl: KLConfig | None
+    config: PPOConfig | None  # the run's whole config, built once here (``cell_config``)
     coef: float | None = None  # fixed and calibration cells (design cells once resolved)
     kl_target: float | None = None  # matched cells (target-role design cells once resolved)
-    ppo: tuple[tuple[str, object], ...] = ()  # the task's ppo values this arm replaces (algorithm, group_size)
     role: str | None = None  # design cells: coef | control | tuned | target
+
+    @property
+    def kl(self) -> KLConfig | None:
+        return None if self.config is None else self.config.kl
 
     @property
     def group(self) -> str:
@@ -112,60 +116,69 @@ def role_value(protocol: dict, arm: str, role: str) -> float:
     return float(protocol[{"coef": "coef", "control": "control_coef", "target": "kl_target"}[role]])
 
 
-def resolve(cell: Cell, params: Params, protocol: dict) -> Cell:
-    """A design cell with its KL config, from the calibrated ``protocol``; any other cell unchanged."""
+def cell_config(params: Experiment, task: str, arm: str, seed: int, coef: float = 0.0, target: float | None = None):
+    """The whole PPOConfig of one cell: ``task``'s ppo values with ``arm``'s overrides and its KL at ``coef``, or
+    steered to the KL ``target`` by the matched controller (grid.matched); the no-KL config for BASELINE."""
+    section = getattr(params, task)
+    if arm == BASELINE:
+        return section.ppo_config(no_kl(), seed)
+    spec, m = params.grid.arms[arm], params.grid.matched
+    kl = spec.kl(coef) if target is None else spec.kl(m.init_coef, adaptive_target=target, horizon=m.horizon)
+    return section.ppo_config(kl, seed, **spec.ppo_overrides())
+
+
+def resolve(cell: Cell, params: Experiment, protocol: dict) -> Cell:
+    """A design cell with its config, from the calibrated ``protocol``; any other cell unchanged."""
     if cell.kind != "design":
         return cell
-    spec, m, value = params.grid.arms[cell.arm], params.grid.matched, role_value(protocol, cell.arm, cell.role)
+    value = role_value(protocol, cell.arm, cell.role)
     if cell.role == "target":
-        kl = spec.kl(m.init_coef, adaptive_target=value, horizon=m.horizon)
-        return replace(cell, kl=kl, kl_target=value)
-    return replace(cell, kl=spec.kl(value), coef=value)
+        return replace(cell, config=cell_config(params, cell.task, cell.arm, cell.seed, target=value), kl_target=value)
+    return replace(cell, config=cell_config(params, cell.task, cell.arm, cell.seed, coef=value), coef=value)
 
 
-def calibration_cells(params: Params) -> list[Cell]:
+def calibration_cells(params: Experiment) -> list[Cell]:
     """The cells of every task's calibration instances: the no-KL baseline and every calibration arm at every
     calibration coefficient, x seeds."""
     g, out = params.grid, []
+    cfg = lambda *a, **kw: cell_config(params, *a, **kw)
     for task, section in params.tasks().items():
         cal = section.calibration
         for i in cal.instances:
-            out += [Cell(task, "calibration_baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
+            out += [Cell(task, "calibration_baseline", i, BASELINE, s, cfg(task, BASELINE, s)) for s in g.seeds]
             for arm in g.calibration_arms:
-                spec = g.arms[arm]
-                ppo = tuple(spec.ppo_overrides().items())
                 for coef in cal.coefs:
-                    out += [Cell(task, "calibration", i, arm, s, spec.kl(coef), coef=coef, ppo=ppo) for s in g.seeds]
+                    out += [Cell(task, "calibration", i, arm, s, cfg(task, arm, s, coef), coef=coef) for s in g.seeds]
     return out
 
 
-def evaluation_cells(params: Params) -> list[Cell]:
+def evaluation_cells(params: Experiment) -> list[Cell]:
     """Every evaluation cell, in a stable order: by task, instance, kind (baseline, design, fixed, matched), arm,
     strength, seed. Design cells are unresolved (``resolve``)."""
-    g = params.grid
-    out = []
+    g, out = params.grid, []
+    cfg = lambda *a, **kw: cell_config(params, *a, **kw)
     for task, section in params.tasks().items():
         for i in section.instances:
-            out += [Cell(task, "baseline", i, BASELINE, s, no_kl()) for s in g.seeds]
+            out += [Cell(task, "baseline", i, BASELINE, s, cfg(task, BASELINE, s)) for s in g.seeds]
             for arm, role in g.design_cells():
-                ppo = tuple(g.arms[arm].ppo_overrides().items())
-                out += [Cell(task, "design", i, arm, s, None, ppo=ppo, role=role) for s in g.seeds]
-            for arm, spec in g.arms.items():
-                ppo = tuple(spec.ppo_overrides().items())
+                out += [Cell(task, "design", i, arm, s, None, role=role) for s in g.seeds]
+            for arm in g.arms:
                 for coef in section.coefs:
-                    out += [Cell(task, "fixed", i, arm, s, spec.kl(coef), coef=coef, ppo=ppo) for s in g.seeds]
+                    out += [Cell(task, "fixed", i, arm, s, cfg(task, arm, s, coef), coef=coef) for s in g.seeds]
                 for target in section.kl_targets:
-                    kl = spec.kl(g.matched.init_coef, adaptive_target=target, horizon=g.matched.horizon)
-                    out += [Cell(task, "matched", i, arm, s, kl, kl_target=target, ppo=ppo) for s in g.seeds]
+                    out += [
+                        Cell(task, "matched", i, arm, s, cfg(task, arm, s, target=target), kl_target=target)
+                        for s in g.seeds
+                    ]
     return out
 
 
-def cells(params: Params) -> list[Cell]:
+def cells(params: Experiment) -> list[Cell]:
     """Every cell of the current params: the calibration cells, then the evaluation cells."""
     return calibration_cells(params) + evaluation_cells(params)
 
 
-def find_cell(params: Params, stage: str) -> Cell:
+def find_cell(params: Experiment, stage: str) -> Cell:
     """The cell of ``params`` whose DVC stage name is ``stage`` (KeyError naming the stage otherwise)."""
     for c in cells(params):
         if c.stage == stage:
@@ -173,25 +186,25 @@ def find_cell(params: Params, stage: str) -> Cell:
     raise KeyError(f"no cell named {stage!r} in params.yaml (stale dvc.yaml entry, or a grid value was removed)")
 
 
-def upstream_stages(params: Params) -> list[str]:
+def upstream_stages(params: Experiment) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
     task) reward models of the calibration and the evaluation instances."""
-    last = lambda task, section: "rm" if hasattr(section, "rm") else "sft"
+    last = lambda task, section: "rm" if section.learned_reward else "sft"
     return [f"{t}_{p}{last(t, s)}" for t, s in params.tasks().items() for p in ("calibration_", "")]
 
 
-def calibrate_stages(params: Params) -> list[str]:
+def calibrate_stages(params: Experiment) -> list[str]:
     """The stages that fix each task's protocol from its calibration cells (dvc.yaml ``<task>_calibrate``)."""
     return [f"{task}_calibrate" for task in params.tasks()]
 
 
-def upstream_chains(params: Params, evaluation: bool = True) -> list[list[str]]:
+def upstream_chains(params: Experiment, evaluation: bool = True) -> list[list[str]]:
     """The upstream stages of each task instance in the order they run (data, sft, and rm for a learned-reward
     task), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
     instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
-        kinds = ["data", "sft", "rm"] if hasattr(section, "rm") else ["data", "sft"]
+        kinds = ["data", "sft", "rm"] if section.learned_reward else ["data", "sft"]
         sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
         for prefix, instances in sets:
             chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]

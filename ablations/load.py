@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ablations.experiment import spec_of as arm_spec
+from rlhf.config import PPOConfig
+
 BASELINE = "none"
 KINDS = ("baseline", "fixed", "matched", "calibration_baseline", "calibration")
-REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "final_gold", "final_kl")
+REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "config", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
-NOT_SPEC = {"stage", "task", "kind", "arm", "role"}  # string fields of summary.json that are not the arm's spec
 
 
 class MissingResultsError(FileNotFoundError):
@@ -91,6 +93,8 @@ def _read(run: ExpectedRun, root: Path) -> tuple[dict, pd.DataFrame]:
     try:
         summary = json.loads(sp.read_text())
         evals = pd.read_csv(ep)
+        if "config" in summary:  # the run's whole config, typed again (pipelines/ppo.py wrote it)
+            summary["config"] = PPOConfig.model_validate(summary["config"])
     except (OSError, ValueError) as e:
         raise MissingResultsError(f"stage {run.stage}: cannot read {d}: {e}") from None
     lacking = [k for k in REQUIRED if k not in summary] + [c for c in EVAL_COLUMNS if c not in evals.columns]
@@ -113,8 +117,8 @@ def _read(run: ExpectedRun, root: Path) -> tuple[dict, pd.DataFrame]:
 def load_runs(expected: Sequence[ExpectedRun], root: Path | str = ".") -> tuple[pd.DataFrame, pd.DataFrame]:
     """Reads every expected run under ``root``. Returns (runs, evals): one row per run with every summary.json field
     plus ``stage``, ``path`` and ``level``; every eval row tagged with task, kind, instance, seed, arm and level.
-    Raises MissingResultsError naming every stage without usable results, or ValueError if an arm's spec differs
-    between its runs of one kind."""
+    ``config`` is the run's PPOConfig (typed). Raises MissingResultsError naming every stage without usable results, or
+    ValueError if an arm's spec differs between its runs of one kind."""
     root = Path(root)
     rows, evals, problems = [], [], []
     for run in expected:
@@ -147,9 +151,10 @@ def load_runs(expected: Sequence[ExpectedRun], root: Path | str = ".") -> tuple[
     return runs, ev.astype({"instance": int, "seed": int, "level": float})
 
 
-def spec_of(row: dict) -> dict[str, str]:
-    """The arm's spec: every string field of a run's summary except its identity (stage, task, kind, arm)."""
-    return {k: v for k, v in row.items() if isinstance(v, str) and k not in NOT_SPEC | {"path"}}
+def spec_of(row: dict) -> dict:
+    """The arm's spec of a run (a load_runs row): its config's KL without the strength, and the PPO values an arm
+    may replace (ablations.config.spec_of), typed."""
+    return arm_spec(row["config"])
 
 
 # ---------------------------------------------------------------- gradient diagnostics

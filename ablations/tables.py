@@ -253,10 +253,13 @@ def _spec_value(v) -> str:
 
 
 def diagnostic_spec(t: pd.DataFrame) -> tuple[list[str], str]:
-    """The spec fields that differ between the table's arms (its columns) and "field value, ..." for the rest."""
+    """The spec fields that differ between the table's arms (its columns) and "field value, ..." for the rest (an
+    option every arm has off is left out)."""
     fields = [f for f in SPEC_NAMES if f in t.columns]
     varying = [f for f in fields if t[f].map(_spec_value).nunique() > 1]
-    common = ", ".join(f"{SPEC_NAMES[f]} {_spec_value(t[f].iloc[0])}" for f in fields if f not in varying)
+    common = ", ".join(
+        f"{SPEC_NAMES[f]} {_spec_value(t[f].iloc[0])}" for f in fields if f not in varying and not is_off(t[f].iloc[0])
+    )
     return varying, common
 
 

@@ -49,7 +49,7 @@ def reference_config(params) -> PPOConfig:
         for c in cells(params)
         if c.task == "grammar" and c.kind == "fixed" and c.arm == params.analysis.reference_arm and c.coef == mid
     )
-    return params.grammar.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    return cell.config
 
 
 def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):

@@ -98,7 +98,7 @@ def worker(args) -> None:
     cell = next(
         c for c in cells(params) if c.task == "grammar" and c.kind == "fixed" and c.arm == ref_arm and c.coef == mid
     )
-    cfg = params.grammar.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    cfg = cell.config
     if args.iterations is not None:
         cfg = cfg.model_copy(update={"iterations": args.iterations})
     bf16 = args.bf16 and args.backend != "tiny"

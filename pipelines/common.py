@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablations.config import ModelParams
+from ablations.experiment import ModelParams
 from pipelines import cpu
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Task
@@ -47,11 +47,11 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
     (params, task name, task section, instance). Exits with one line on a bad argument or params.yaml."""
     import sys
 
-    from ablations.config import ParamsError, load_params
+    from ablations.experiment import ParamsError, load_experiment
 
     args = sys.argv[1:] if argv is None else argv
     try:
-        params = load_params()
+        params = load_experiment()
     except ParamsError as e:
         sys.exit(f"error: {e}")
     tasks = params.tasks()

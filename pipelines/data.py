@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ablations.config import ArithmeticTaskParams, GrammarTaskParams
+from ablations.experiment import ArithmeticTaskParams, GrammarTaskParams
 from pipelines.common import data_path, save_checkpoint, setup, upstream_stage_args
 from rlhf.arithmetic import Arithmetic
 from rlhf.task import make_grammar, sample_prompts, sample_responses

@@ -1,6 +1,7 @@
 """Stage of one cell, named as DVC names it (ablations/grid.py): one PPO run -> runs/<task>/<kind>/<key>/.
 
-Writes summary.json (DVC metrics), evals.csv and history.csv (DVC plots), all at once when the run ends.
+Writes summary.json (DVC metrics; ``config`` is the run's whole PPOConfig, nested, as the grid built it, which the
+analysis reads back through the model), evals.csv and history.csv (DVC plots), all at once when the run ends.
 
     python -m pipelines.ppo grammar_design@100-loss_k3-tuned-0    # at the value protocol/grammar.json fixed
     python -m pipelines.ppo grammar_calibration@0-reward_k1-0.1-0
@@ -20,7 +21,7 @@ import time
 
 from tqdm import tqdm
 
-from ablations.config import Params, ParamsError, load_params
+from ablations.experiment import Experiment, ParamsError, load_experiment, spec_of
 from ablations.grid import Cell, find_cell, protocol_path, resolve
 from pipelines import tracking
 from pipelines.common import (
@@ -50,18 +51,20 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-ISSUE18_PPO_OPTIONS = ("cliprange_high", "dual_clip", "ratio_level", "entropy_coef", "pg_aggregation", "dr_grpo")
+# the arm's flat fields every summary.json has had (before issue 18); any other option appears only when on, so a
+# cell without it keeps its summary.json byte for byte (the whole config is the nested ``config`` beside them)
+ALWAYS = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "both_split",
+          "return_to_go", "ref_sync_every", "ref_sync_alpha")  # fmt: skip
+
+
+def _on(v) -> bool:
+    return v is not None and v is not False and v != "token"
 
 
 def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     """What identifies a cell in summary.json, runs.csv and MLflow tags: task, kind, instance, seed, arm, its
-    strength (coef; kl_target for matched cells), the algorithm and the arm's KL spec as flat fields."""
-    # options added by issue 18 appear only when on, so a cell without them keeps its summary.json byte for byte
-    kl = cell.kl.model_dump(
-        exclude={"coef", "adaptive_target", "horizon"} | ({"kl_clamp"} if cell.kl.kl_clamp is None else set())
-    )
-    on = {k: v for k in ISSUE18_PPO_OPTIONS if (v := getattr(cfg, k)) not in (None, False, "token")}
-    spec = {"algorithm": cfg.algorithm, "group_size": cfg.group_size, **kl, **on}
+    strength (coef; kl_target for matched cells) and the arm's spec (ablations.experiment.spec_of) as flat fields."""
+    spec = {k: v for k, v in spec_of(cfg).items() if k in ALWAYS or _on(v)}
     coef = cell.kl.coef if cell.arm != "none" else 0.0
     return {
         "task": cell.task,
@@ -76,7 +79,7 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
     }
 
 
-def resolved(params: Params, cell: Cell) -> Cell:
+def resolved(params: Experiment, cell: Cell) -> Cell:
     """``cell`` with its KL config: a design cell takes its role's value from the calibration (protocol/<task>.json,
     a dependency of its stage); a clear error if the calibration has not run."""
     if cell.kind != "design":
@@ -87,7 +90,7 @@ def resolved(params: Params, cell: Cell) -> Cell:
     return resolve(cell, params, json.loads(path.read_text()))
 
 
-def run_cell(params: Params, cell: Cell) -> dict:
+def run_cell(params: Experiment, cell: Cell) -> dict:
     """Trains one cell and writes its outputs atomically. Returns its summary plus ``wall_s`` (seconds; not in
     summary.json, which must be the same on every rerun)."""
     cell = resolved(params, cell)
@@ -96,10 +99,10 @@ def run_cell(params: Params, cell: Cell) -> dict:
     task = load_task(data)
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
     reward_model = None  # a verifier task scores with task.gold
-    if task.reward == "learned":
+    if getattr(params, cell.task).learned_reward:
         reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
-    cfg = getattr(params, cell.task).ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    cfg = cell.config  # built once, in the grid
     axes = cell_axes(cell, cfg)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
@@ -115,7 +118,7 @@ def run_cell(params: Params, cell: Cell) -> dict:
                 progress=lambda row: bar.update(),
             )
         wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
-        summary = {"stage": cell.stage, **axes, **out["summary"]}
+        summary = {"stage": cell.stage, **axes, "config": cfg.model_dump(mode="json"), **out["summary"]}
         tracking.log_metrics(client, rid, out["history"], prefix="train/")
         tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
         for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("stage", help="the cell's DVC stage name, e.g. grammar_fixed@0-reward_k1-0.1-0")
     args = ap.parse_args(argv)
     try:
-        params = load_params()
+        params = load_experiment()  # what to run (the runner has checked the whole file)
         cell = find_cell(params, args.stage)
     except (ParamsError, KeyError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")

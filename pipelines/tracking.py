@@ -376,13 +376,13 @@ def main(argv: list[str] | None = None) -> None:
     to date (a store written before they existed gets them too) and prints the address of that view."""
     import argparse
 
-    from ablations.config import PARAMS_FILE, load_params
+    from ablations.experiment import PARAMS_FILE, load_experiment
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("params", nargs="?", default=PARAMS_FILE)
     ap.add_argument("--url", default="http://127.0.0.1:5000")
     args = ap.parse_args(argv)
-    name = load_params(args.params).mlflow.experiment
+    name = load_experiment(args.params).mlflow.experiment
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         print(f"no MLflow store at {uri} yet: run the pipeline first (`make repro`)")

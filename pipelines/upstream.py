@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ablations.config import Params
+from ablations.experiment import Experiment
 from pipelines import data, rm, sft
 from pipelines.common import load_task
 from rlhf.model import ScalarModel, TinyLM
@@ -12,7 +12,7 @@ from rlhf.task import Task
 
 
 def build_upstream(
-    params: Params, instance: int, device: torch.device, task_name: str = "grammar"
+    params: Experiment, instance: int, device: torch.device, task_name: str = "grammar"
 ) -> tuple[dict, Task, TinyLM, ScalarModel | None, dict]:
     """Returns (data, task, SFT model, reward model (None for a verifier task), metrics) of instance ``instance``
     of ``task_name``, as the DVC stages would make them."""

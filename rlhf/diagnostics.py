@@ -80,27 +80,23 @@ def sequence_kl_surrogate(logits, ref_logits, logprobs, mask) -> torch.Tensor:
     return (kl * mask + K.kl_return_to_go(kl, logprobs, mask)).sum(1)
 
 
-def arm_kl_surrogate(cfg: PPOConfig, policy, traj, mb: torch.Tensor) -> torch.Tensor:
+def arm_kl_surrogate(cfg: PPOConfig, kl: K.ResolvedKL, policy, traj, mb: torch.Tensor) -> torch.Tensor:
     """Scalar whose gradient is the arm's KL-gradient estimate on minibatch ``mb`` (indices into ``traj``), per unit
-    coefficient and on the per-sequence scale (module docstring). ``traj``: an ``rlhf.ppo.Trajectory``."""
-    kc = cfg.kl
-    reward_share, loss_share = K.placement_coefs(kc, 1.0)
+    coefficient and on the per-sequence scale (module docstring). ``traj``: an ``rlhf.ppo.Trajectory``; ``kl``: the
+    run's resolved arm (its reward and loss sides, as the loop calls them)."""
     pg_mode = cfg.pg_mode
     mask = traj.mask[mb]
     logits = response_logits(policy, traj.prompts[mb], traj.responses[mb], cfg.temperature)  # (m, t, V)
     logprobs = logprobs_from_logits(logits, traj.responses[mb])  # (m, t)
-    target_logprobs, target_logits = K.kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
     total = torch.zeros((), device=mask.device)
-    if loss_share is not None:
-        terms = K.loss_kl_terms(kc, logprobs, traj.logprobs[mb], target_logprobs[mb], logits, target_logits[mb], mask)
-        total = total + loss_share * K.aggregate(terms, mask, K.aggregation_of(kc, pg_mode))
-    if reward_share is not None:
-        kl_reward = K.reward_kl(kc, traj.logprobs, target_logprobs, traj.logits, target_logits, traj.mask, pg_mode)
-        kl_rewards = K.reward_penalty(kl_reward, 1.0, traj.mask)
+    if kl.loss_kl is not None:  # coefficient 1
+        total = total + K.aggregate(kl.loss_kl(traj, mb, logprobs, logits), mask, kl.mode)
+    if kl.reward_kl is not None:
+        kl_rewards = K.reward_penalty(kl.reward_kl(traj, traj.logprobs, traj.logits), 1.0, traj.mask)
         params = AdvantageParams(cfg.gamma, 1.0, cfg.group_size, normalize=False)  # (b, t) credit below
         credit, _ = ALGORITHMS[cfg.algorithm].advantages(kl_rewards, torch.zeros_like(kl_rewards), traj.mask, params)
         ratio = torch.exp(logprobs - traj.logprobs[mb])
-        total = total - reward_share * K.aggregate(ratio * credit[mb], mask, pg_mode)
+        total = total - K.aggregate(ratio * credit[mb], mask, pg_mode)
     return total
 
 
@@ -160,7 +156,7 @@ def compare(estimates: torch.Tensor, truth: torch.Tensor, truth_var: float) -> d
     }
 
 
-def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen) -> tuple[torch.Tensor, float]:
+def arm_estimates(cfg: PPOConfig, kl, policy, sampling_policy, sample: Callable, gen) -> tuple[torch.Tensor, float]:
     """((n_minibatches, P), strength): the arm's estimate at ``policy``, each on one minibatch of a fresh batch of
     ``sampling_policy``'s responses, divided by the aggregation's nominal strength (module docstring)."""
     params = list(policy.parameters())
@@ -168,10 +164,9 @@ def arm_estimates(cfg: PPOConfig, policy, sampling_policy, sample: Callable, gen
     for _ in range(cfg.diagnostics.n_minibatches):
         traj = sample(sampling_policy, cfg.batch_size, gen)
         mb = torch.randperm(cfg.batch_size, generator=gen, device=traj.mask.device)[: cfg.minibatch_size]
-        rows.append(flat_grad(arm_kl_surrogate(cfg, policy, traj, mb), params))
+        rows.append(flat_grad(arm_kl_surrogate(cfg, kl, policy, traj, mb), params))
         tokens += traj.mask[mb].sum().item()
-    strength = nominal_strength(K.aggregation_of(cfg.kl, cfg.pg_mode), tokens / (len(rows) * cfg.minibatch_size),
-                                traj.mask.shape[1])  # fmt: skip
+    strength = nominal_strength(kl.mode, tokens / (len(rows) * cfg.minibatch_size), traj.mask.shape[1])
     return torch.stack(rows) / strength, strength
 
 
@@ -182,7 +177,7 @@ def nominal_strength(mode: str, mean_length: float, width: int) -> float:
 
 
 def gradient_diagnostics(
-    policy, value_model, opt, ref_policy, train_prompts, task: Task, cfg: PPOConfig, iteration: int,
+    policy, value_model, opt, ref_policy, train_prompts, task: Task, cfg: PPOConfig, kl: K.ResolvedKL, iteration: int,
     sample: Callable, updates: Callable, train_ref=None,
 ) -> list[dict]:  # fmt: skip
     """The diagnostic rows (on-policy, and off-policy when the arm takes more than one update per batch) at
@@ -194,7 +189,8 @@ def gradient_diagnostics(
     d = cfg.diagnostics
     gen = torch.Generator(device=train_prompts.device).manual_seed(d.seed * 1_000_003 + iteration)
     truth_at = lambda pol, to: true_gradient(pol, to, train_prompts, task, cfg.temperature, d.n_true, gen)
-    own = {"old_policy": copy.deepcopy(policy), "reference": train_ref}.get(cfg.kl.target)
+    target = kl.config.target
+    own = {"old_policy": copy.deepcopy(policy), "reference": train_ref}.get(target)
     own = None if own is ref_policy else own  # old_policy_forward: judged against the frozen reference only
     base = {"iteration": iteration}
     n_updates = cfg.epochs * (cfg.batch_size // cfg.minibatch_size) - 1
@@ -206,10 +202,10 @@ def gradient_diagnostics(
     rows = []
     for regime, n, pol in regimes:
         truth, truth_var = truth_at(pol, ref_policy)
-        est, strength = arm_estimates(cfg, pol, policy, sample, gen)
+        est, strength = arm_estimates(cfg, kl, pol, policy, sample, gen)
         row = {**base, "regime": regime, "updates": n, "strength": strength}
         rows.append({**row, "against": "reference", **compare(est, truth, truth_var)})
-        if own is not None and not (regime == "on_policy" and cfg.kl.target == "old_policy"):  # there 0 exactly
+        if own is not None and not (regime == "on_policy" and target == "old_policy"):  # there 0 exactly
             truth, truth_var = truth_at(pol, own)
             rows.append({**row, "against": "own", **compare(est, truth, truth_var)})
     return rows

@@ -129,6 +129,8 @@ with full/abs, k1+/k3+/abs in both places, both_split, old_policy_forward other 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -381,6 +383,68 @@ def loss_penalty(terms: torch.Tensor, kl_coef: float, mask: torch.Tensor, mode: 
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.detach()
+
+
+# --- the arm resolved once per run ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedKL:
+    """An arm's KLConfig resolved once per run (``resolve``) into what the training loop (rlhf.ppo) and the gradient
+    diagnostics (rlhf.diagnostics) call; neither reads the config's fields nor decides the side itself.
+
+    ``traj`` is the rollout (rlhf.ppo.Trajectory: logprobs, logits, ref_logprobs, ref_logits, mask), ``logprobs``
+    (b, t) / ``logits`` (b, t, V) the policy side:
+        reward_kl(traj, logprobs, logits) -> c_t k_t (b, t), per unit coefficient (``reward_kl``); None: no reward side
+        loss_kl(traj, mb, logprobs, logits) -> loss-side terms (m, t) of minibatch ``mb`` (``loss_kl_terms``), the
+                                             policy side being the minibatch's; None: no loss side
+    ``mode``: the aggregation of the KL term (``aggregation_of``); ``remeasured``: ``reward_kl_remeasured``."""
+
+    config: KLConfig
+    mode: str
+    reward_kl: Callable[..., torch.Tensor] | None
+    loss_kl: Callable[..., torch.Tensor] | None
+    remeasured: bool
+
+    @property
+    def on(self) -> bool:
+        """Whether the arm has a KL term at all (the no-KL baseline has neither side)."""
+        return self.reward_kl is not None or self.loss_kl is not None
+
+    def controller(self) -> AdaptiveKLController | FixedKLController:
+        return controller(self.config)
+
+    @property
+    def moving_reference(self) -> bool:
+        return self.config.ref_sync_every is not None
+
+    def sync_reference_due(self, ref: nn.Module, policy: nn.Module, iteration: int) -> None:
+        """Moves the training reference toward ``policy`` after ``iteration`` when the schedule says so."""
+        if reference_due(self.config, iteration):
+            sync_reference(ref, policy, self.config.ref_sync_alpha)
+
+
+def resolve(kc: KLConfig, pg_mode: str = "token-mean") -> ResolvedKL:
+    """``kc`` as the reward-side and loss-side functions of ``ResolvedKL`` (``placement_coefs``: 'both' has each),
+    under a policy loss aggregated as ``pg_mode``."""
+    reward, loss = placement_coefs(kc, 1.0)
+    targets = lambda traj: kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
+
+    def reward_side(traj, logprobs, logits) -> torch.Tensor:
+        target_logprobs, target_logits = targets(traj)
+        return reward_kl(kc, logprobs, target_logprobs, logits, target_logits, traj.mask, pg_mode)
+
+    def loss_side(traj, mb, logprobs, logits) -> torch.Tensor:
+        tlp, tl = targets(traj)
+        return loss_kl_terms(kc, logprobs, traj.logprobs[mb], tlp[mb], logits, tl[mb], traj.mask[mb])
+
+    return ResolvedKL(
+        kc,
+        aggregation_of(kc, pg_mode),
+        None if reward is None else reward_side,
+        None if loss is None else loss_side,
+        reward_kl_remeasured(kc),
+    )
 
 
 # --- moving reference --------------------------------------------------------------------------------------------

@@ -130,10 +130,10 @@ def rollout(policy, ref_policy, train_ref, value_model, prompts, task: Task, tem
 
 
 def rewards_and_advantages(traj: Trajectory, kl_reward, kl_coef: float, cfg: PPOConfig) -> Batch:
-    """Steps 4-6: rewards (score at the last token, minus the reward-side KL), optional whitening, advantages."""
-    reward_coef, _ = K.placement_coefs(cfg.kl, kl_coef)
+    """Steps 4-6: rewards (score at the last token, minus the reward-side KL ``kl_reward``, None when the arm has no
+    reward side), optional whitening, advantages."""
     mask = traj.mask
-    rewards = K.reward_penalty(kl_reward, reward_coef, mask) if kl_reward is not None else torch.zeros_like(mask)
+    rewards = K.reward_penalty(kl_reward, kl_coef, mask) if kl_reward is not None else torch.zeros_like(mask)
     rewards = rewards.scatter_add(1, (mask.sum(1).long() - 1)[:, None], traj.scores[:, None])  # (b, t)
     if cfg.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
@@ -142,16 +142,15 @@ def rewards_and_advantages(traj: Trajectory, kl_reward, kl_coef: float, cfg: PPO
     return Batch(kl_reward, rewards, advantages, returns)
 
 
-def step_kl_reward(traj: Trajectory, logprobs, logits, cfg: PPOConfig):
+def step_kl_reward(traj: Trajectory, logprobs, logits, kl: K.ResolvedKL):
     """The reward-side KL of ``traj`` with the policy side given by ``logprobs``/``logits`` (the rollout's at step 4;
-    the current policy's when ``reward_kl_remeasured``)."""
-    target_logprobs, target_logits = K.kl_target(cfg.kl, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
-    return K.reward_kl(cfg.kl, logprobs, target_logprobs, logits, target_logits, traj.mask, cfg.pg_mode)
+    the current policy's when ``kl.remeasured``); None when the arm has no reward side."""
+    return None if kl.reward_kl is None else kl.reward_kl(traj, logprobs, logits)
 
 
-def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss_coef, cfg: PPOConfig):
-    """The loss of one minibatch ``mb`` (indices): clipped policy loss, value loss with a critic, loss-side KL.
-    Returns (loss, stats of tensors)."""
+def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, kl_coef, cfg: PPOConfig, kl: K.ResolvedKL):
+    """The loss of one minibatch ``mb`` (indices): clipped policy loss, value loss with a critic, loss-side KL at
+    ``kl_coef``. Returns (loss, stats of tensors)."""
     mask = traj.mask[mb]
     new_logits = response_logits(policy, traj.prompts[mb], traj.responses[mb], cfg.temperature)
     new_logprobs = logprobs_from_logits(new_logits, traj.responses[mb])
@@ -169,23 +168,17 @@ def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, loss
         new_values = response_values(value_model, traj.prompts[mb], traj.responses[mb])
         stats["vf_loss"] = value_loss(new_values, traj.values[mb], batch.returns[mb], mask, cfg.cliprange_value)
         loss = loss + cfg.vf_coef * stats["vf_loss"]
-    if loss_coef is not None:
-        kc = cfg.kl
-        target_logprobs, target_logits = K.kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
-        terms = K.loss_kl_terms(
-            kc, new_logprobs, traj.logprobs[mb], target_logprobs[mb], new_logits, target_logits[mb], mask
-        )
-        mode = K.aggregation_of(kc, cfg.pg_mode)
-        loss = loss + K.loss_penalty(terms, loss_coef, mask, mode)
-        stats["kl_loss"] = K.aggregate(terms.detach(), mask, mode)
+    if kl.loss_kl is not None:
+        terms = kl.loss_kl(traj, mb, new_logprobs, new_logits)
+        loss = loss + K.loss_penalty(terms, kl_coef, mask, kl.mode)
+        stats["kl_loss"] = K.aggregate(terms.detach(), mask, kl.mode)
     return loss, stats
 
 
-def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cfg: PPOConfig, g, it, max_steps=None):
+def update(policy, value_model, opt, traj, batch: Batch, kl_coef, cfg: PPOConfig, kl, g, it, max_steps=None):
     """Step 7: epochs x minibatches of updates on one batch. Returns (per-iteration means of the minibatch stats,
-    the batch last used: re-made before each later epoch when ``reward_kl_remeasured``). ``max_steps`` stops after
+    the batch last used: re-made before each later epoch when ``kl.remeasured``). ``max_steps`` stops after
     that many updates (gradient diagnostics)."""
-    _, loss_coef = K.placement_coefs(cfg.kl, kl_coef)
     n_mb = cfg.batch_size // cfg.minibatch_size
     stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
     if value_model is None:
@@ -194,16 +187,16 @@ def update(policy, value_model, opt, traj: Trajectory, batch: Batch, kl_coef, cf
         stats["entropy"] = 0.0
     steps = 0
     for epoch in range(cfg.epochs):
-        if epoch > 0 and K.reward_kl_remeasured(cfg.kl):
+        if epoch > 0 and kl.remeasured:
             with torch.no_grad():
                 cur_logits = response_logits(policy, traj.prompts, traj.responses, cfg.temperature)
-                kl_reward = step_kl_reward(traj, logprobs_from_logits(cur_logits, traj.responses), cur_logits, cfg)
+                kl_reward = step_kl_reward(traj, logprobs_from_logits(cur_logits, traj.responses), cur_logits, kl)
                 batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
         perm = torch.randperm(cfg.batch_size, generator=g, device=traj.mask.device)
         for mb in perm.view(n_mb, cfg.minibatch_size):
             if max_steps is not None and steps == max_steps:
                 return stats, batch
-            loss, mb_stats = minibatch_loss(policy, value_model, traj, batch, mb, loss_coef, cfg)
+            loss, mb_stats = minibatch_loss(policy, value_model, traj, batch, mb, kl_coef, cfg, kl)
             check_finite("loss", loss, it)
             opt.zero_grad()
             loss.backward()
@@ -243,7 +236,7 @@ def train_ppo(
         need = "a reward model" if task.reward == "learned" else "no reward model"
         raise ValueError(f"a task with a {task.reward!r} reward needs {need}")
     eval_sets = eval_sets if isinstance(eval_sets, dict) else {"": eval_sets}
-    kc = cfg.kl
+    kl = K.resolve(cfg.kl, cfg.pg_mode)  # the only reading of cfg.kl: both sides, once per run
     device = train_prompts.device
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -255,8 +248,8 @@ def train_ppo(
     score_fn = scorer(reward_model, task, cfg.missing_eos_score)
     params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
     opt = adam(params, lr=cfg.lr, eps=cfg.adam_eps)
-    ctl = K.controller(kc)
-    train_ref = ref_policy if kc.ref_sync_every is None else copy.deepcopy(ref_policy)  # moving reference
+    ctl = kl.controller()
+    train_ref = copy.deepcopy(ref_policy) if kl.moving_reference else ref_policy
     measure = lambda it: {
         "iteration": it,
         **evaluate(policy, ref_policy, reward_model, task, eval_sets, cfg.temperature, cfg.eval_seed),
@@ -278,21 +271,20 @@ def train_ppo(
         traj = traj._replace(scores=scores)
         # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm
         with torch.no_grad():
-            kl_reward = step_kl_reward(traj, traj.logprobs, traj.logits, cfg)
+            kl_reward = step_kl_reward(traj, traj.logprobs, traj.logits, kl)
             batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
         check_finite("rewards", batch.rewards, it)
         # gradient diagnostics, on copies with their own generator; a run without KL has no KL gradient to judge
-        if cfg.diagnostics is not None and cfg.kl.placement != "none" and it in cfg.diagnostics.at:
-            updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, it=it)
+        if cfg.diagnostics is not None and kl.on and it in cfg.diagnostics.at:
+            updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, kl=kl, it=it)
             diagnostics += gradient_diagnostics(
-                policy, value_model, opt, ref_policy, train_prompts, task, cfg, it, sample, updates, train_ref
+                policy, value_model, opt, ref_policy, train_prompts, task, cfg, kl, it, sample, updates, train_ref
             )
         # 7. epochs x minibatches of clipped updates (loss-side KL)
-        stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, g, it)
+        stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, kl, g, it)
         # 8. controller on the exact KL of step 2; moving reference; evaluation
         ctl.update(traj.kl_to_ref.mean().item(), cfg.batch_size)
-        if K.reference_due(kc, it):
-            K.sync_reference(train_ref, policy, kc.ref_sync_alpha)
+        kl.sync_reference_due(train_ref, policy, it)
         kl_used = batch.kl_reward.sum(1).mean().item() if batch.kl_reward is not None else 0.0
         row = {
             "iteration": it,

@@ -97,6 +97,20 @@ def spec(placement: str, estimator: str, target: str = "reference", algorithm: s
     return dict(algorithm=algorithm, target=target, placement=placement, estimator=estimator)
 
 
+def config(sp: dict, coef, kl_target, seed: int) -> dict:
+    """The nested PPOConfig pipelines/ppo.py writes into summary.json, for the arm ``sp`` at its strength."""
+    from ..conftest import small_ppo_config
+
+    rest = {k: v for k, v in sp.items() if k != "algorithm"}
+    kl = dict(placement="none", estimator=None, coef=0.0) if sp["placement"] == "none" else dict(rest, coef=0.1)
+    if kl_target is not None:
+        kl |= dict(coef=0.1, adaptive_target=float(kl_target), horizon=128)
+    elif coef is not None:
+        kl["coef"] = float(coef)
+    group = {"group_size": 2} if sp["algorithm"] in ("grpo", "rloo") else {}
+    return small_ppo_config(kl=kl, algorithm=sp["algorithm"], seed=seed, **group).model_dump(mode="json")
+
+
 # the arms of params.yaml: placement x estimator for the two camps' estimators
 CROSSED = {f"{p}_{e}": spec(p, e) for e in ("k1", "k3") for p in ("reward", "loss")}
 REFERENCE = "reward_k1"
@@ -239,7 +253,7 @@ def _write_cells(root, task, cells, arms, behaviours, instances, seeds, *, misse
                 sp = spec("none", "none") if c.arm == BASELINE else arms[c.arm]
                 summary = dict(
                     stage=f"{task}_{c.folder}@{name}", task=task, kind=c.kind, role=c.role, instance=i, seed=s,
-                    arm=c.arm, coef=c.coef, kl_target=c.kl_target, **sp,
+                    arm=c.arm, coef=c.coef, kl_target=c.kl_target, **sp, config=config(sp, c.coef, c.kl_target, s),
                     **{f"final_{m}": float(ev[m].iloc[-1]) for m in ev.columns if m != "iteration"},
                     **{f"sft_{m}": float(ev[m].iloc[0]) for m in ev.columns if m != "iteration"},
                     peak_gold=float(ev.gold.max()), peak_gold_iteration=int(ev.iteration[ev.gold.idxmax()]),

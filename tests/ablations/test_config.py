@@ -61,7 +61,7 @@ BAD = [
     (
         "unknown arm key",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimatr="k3"),
-        "unknown key 'grid.arms.loss_k3.estimatr'; allowed: target, placement, estimator, adaptive_target",
+        "unknown key 'grid.arms.loss_k3.estimatr'; allowed: target, placement, estimator, is_weight",
     ),
     (
         "placement none as an arm",
@@ -149,11 +149,11 @@ BAD = [
         "duplicate KL target 2",
     ),
     (
-        "adaptive arm without a horizon",
+        "an arm's strength is the grid's (coefs, kl_targets), not the arm's",
         lambda p: p["grid"]["arms"].update(
             adaptive={"target": "reference", "placement": "loss", "estimator": "k3", "adaptive_target": 2.0}
         ),
-        "grid.arms.adaptive: adaptive_target and horizon go together",
+        "unknown key 'grid.arms.adaptive.adaptive_target'; allowed: target, placement, estimator",
     ),
     # issue 18: combinations with no sound meaning, refused before any compute with the keys named
     (

@@ -13,6 +13,7 @@ from ablations import analysis as A
 from ablations import diagnostics as G
 from ablations import tables as T
 from ablations.load import DIAGNOSTIC_COLUMNS, MissingResultsError, load_diagnostics, load_runs
+from rlhf.config import PPOConfig
 
 from . import synthetic as syn
 
@@ -115,7 +116,8 @@ def test_order_follows_the_spec_and_nan_cosines_are_left_out():
         "reward_k1": ("ppo", "reference", "reward", "k1", False),
     }
     cols = ("algorithm", "target", "placement", "estimator", "is_weight")
-    runs = pd.DataFrame([{"arm": a, **dict(zip(cols, s))} for a, s in specs.items()])
+    config = lambda sp: PPOConfig.model_validate(syn.config(sp, 0.1, None, 0))  # the typed config load_runs reads
+    runs = pd.DataFrame([{"arm": a, "config": config(dict(zip(cols, s)))} for a, s in specs.items()])
     rows = [_rows(a, i) for a in specs for i in range(3) if a != "old_loss_k1"]
     rows += [_rows("old_loss_k1", i, cosine=math.nan, cosine_minibatch=math.nan) for i in range(3)]
     rows += [_rows("loss_k1", i, "off_policy", cosine=[0.2, math.nan, 0.4][i]) for i in range(3)]
@@ -148,7 +150,7 @@ def test_report_stats_and_figure_with_diagnostics(tmp_path):
     assert "off-policy (7 updates)" in section and "checkpoint iteration(s) 20, 40" in section
     # per instance: reward_k1 3 + coef + control, loss_k1 3 + coef, loss_k3 3 + coef + tuned + target = 15 of 20
     assert f"180 of the {KL_RUNS} KL-arm runs" in section and "60 KL-arm run(s) have no diagnostics" in section
-    assert "Common to every row: algorithm ppo, target reference." in section
+    assert "Common to every row: algorithm ppo, group 1, target reference." in section
     assert "![Gradient diagnostics](figures/diagnostics.png)" in report
     st = json.loads((tmp_path / "out/stats.json").read_text())["gradient_diagnostics"]
     pooled = [_independent(tmp_path, "loss_k1", "off_policy", "cosine", kind) for kind in ("fixed", "matched")]

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from ablations.config import Params, load_params
-from ablations.grid import Cell, cells
+from ablations.grid import Cell, cell_config, cells
 from pipelines.common import build_lm, eval_sets, load_lm, load_reward_model, new_lm, save_checkpoint, set_precision
 from pipelines.upstream import build_upstream
 from rlhf import hf
@@ -71,12 +71,10 @@ def test_hf_backend_through_the_stage_functions_and_one_cells_ppo_config(tmp_pat
     # One cell as pipelines.ppo.run_cell configures it (a calibration cell: TINY's arithmetic has no cells).
     section = getattr(params, task_name)
     coef = section.calibration.coefs[0]
-    spec = params.grid.arms["loss_k3"]
-    ppo = tuple(spec.ppo_overrides().items())
-    cell = Cell(task_name, "calibration", 0, "loss_k3", 0, spec.kl(coef), coef=coef, ppo=ppo)
+    cell = Cell(task_name, "calibration", 0, "loss_k3", 0, cell_config(params, task_name, "loss_k3", 0, coef), coef)
     if task_name == "grammar":
         assert cell in cells(params)
-    cfg = section.ppo_config(cell.kl, cell.seed, **dict(cell.ppo))
+    cfg = cell.config
     policy = copy.deepcopy(sft_model)
     out = train_ppo(policy, sft_model, reward_model, task, data["train_prompts"], eval_sets(data, device), cfg)
     assert [row["iteration"] for row in out["history"]] == list(range(1, cfg.iterations + 1))

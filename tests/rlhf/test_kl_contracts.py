@@ -105,19 +105,19 @@ def code_gradient(kc: KLConfig, algo: str, theta, old, ref, **ppo_options) -> to
         whiten_rewards=False, missing_eos_score=None, eval_every=1, eval_seed=0, seed=0, kl=kc, dr_grpo=dr,
         **ppo_options,
     )  # fmt: skip
-    reward_coef, loss_coef = K.placement_coefs(kc, 1.0)
+    kl = K.resolve(kc, cfg.pg_mode)  # as train_ppo resolves it
     with torch.no_grad():
-        if K.reward_kl_remeasured(kc):  # the loop re-measures with the current policy before later epochs
+        if kl.remeasured:  # the loop re-measures with the current policy before later epochs
             cur = ppo.response_logits(Tabular(theta), prompts, resp, 1.0)
-            kl_reward = ppo.step_kl_reward(traj, ppo.logprobs_from_logits(cur, resp), cur, cfg)
+            kl_reward = ppo.step_kl_reward(traj, ppo.logprobs_from_logits(cur, resp), cur, kl)
         else:
-            kl_reward = ppo.step_kl_reward(traj, traj.logprobs, traj.logits, cfg)
-        rewards = K.reward_penalty(kl_reward, reward_coef, mask) if kl_reward is not None else torch.zeros_like(mask)
+            kl_reward = ppo.step_kl_reward(traj, traj.logprobs, traj.logits, kl)
+        rewards = K.reward_penalty(kl_reward, 1.0, mask) if kl_reward is not None else torch.zeros_like(mask)
         params = AdvantageParams(1.0, 1.0, g_eff, normalize=algorithm == "grpo", group_std=not dr)
         advantages, _ = ALGORITHMS[algorithm].advantages(rewards, torch.zeros_like(rewards), mask, params)
     batch = ppo.Batch(kl_reward, rewards, advantages, None)
-    loss, _ = ppo.minibatch_loss(policy, None, traj, batch, torch.arange(n), loss_coef, cfg)
-    per_sequence = {"seq-mean-token-sum": 1.0}.get(K.aggregation_of(kc, cfg.pg_mode), float(T))
+    loss, _ = ppo.minibatch_loss(policy, None, traj, batch, torch.arange(n), 1.0, cfg, kl)
+    per_sequence = {"seq-mean-token-sum": 1.0}.get(kl.mode, float(T))
     return torch.autograd.grad(loss, t)[0] * per_sequence
 
 
