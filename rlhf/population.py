@@ -1,0 +1,335 @@
+"""A population of B independent PPO cells trained as one batched computation (issue 21).
+
+Each cell has its own parameters, Adam state, generator, task instance, KL coefficient (and controller) and seed;
+the cells of one population share their structure (algorithm, placement, estimator, every other PPOConfig field,
+the model and task shapes). Their parameters are stacked along a leading cell dimension B (``Population.state``:
+weights (B, ...)), and every per-cell step of ``rlhf.ppo`` runs unchanged, once, for all cells, under
+``torch.func.vmap`` over that dimension with ``torch.func.functional_call`` swapping a cell's slice into a template
+module (the "model ensembling" pattern of the torch.func docs, https://pytorch.org/docs/stable/func.html,
+``stack_module_state`` / ``functional_call`` / ``vmap``). Under vmap every reduction of ``rlhf.ppo`` and
+``rlhf.kl`` (masked means, whitening, group baselines, aggregations) runs over the cell's own dims only, and
+
+    loss_i = minibatch_loss(cell i),   sum_i loss_i .backward()  ->  grad_i = d loss_i / d theta_i  (cells disjoint)
+
+then one fused Adam step on the stacked tensors applies each cell's elementwise update. Random draws (prompts,
+sampled tokens, minibatch permutations) come from each cell's own ``torch.Generator`` in the order of
+``rlhf.ppo.train_ppo``, outside vmap (torch.func cannot take a generator), so a cell's draws do not depend on its
+neighbours. Scores (verifier or reward model) and the evaluation statistics are per-cell loops over slices.
+
+Identity (tests/rlhf/test_population.py): on CPU a cell run alone (B = 1) and inside a population of 8 gives
+bit-identical histories, evaluations and parameters. Against ``train_ppo`` (one cell, no vmap) the forward values
+are identical but the batched backward of LayerNorm rounds its weight/bias gradients differently (last float bits),
+so trajectories drift apart after the first update: population results are a re-baseline, not today's numbers.
+
+Coverage: the tiny backend (``rlhf.model.TinyLM``); every algorithm (ppo with its critic, grpo, rloo,
+reinforce_pp), every placement and estimator, fixed or adaptive coefficient, every policy-loss option. Refused
+with a ValueError: the hf backend (``rlhf.hf.HFLM``: its Hugging Face modules hold a KV-cache object and attention
+dispatch that vmap cannot batch), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side
+KL (``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from rlhf import kl as K
+from rlhf.algorithms import ALGORITHMS
+from rlhf.config import PPOConfig
+from rlhf.evaluate import response_stats
+from rlhf.model import ScalarModel, TinyLM, adam, logprobs_from_logits, response_logits
+from rlhf.ppo import check_finite, draw_prompts, final_summary, minibatch_loss, rewards_and_advantages, scorer
+from rlhf.ppo import step_kl_reward, trajectory
+from rlhf.reward_model import init_reward_model
+from rlhf.task import EOS, Task, response_mask
+
+
+class CellInputs(NamedTuple):
+    """What ``rlhf.ppo.train_ppo`` takes for one cell (its policy starts as a copy of ``ref``)."""
+
+    ref: TinyLM
+    reward_model: ScalarModel | None
+    task: Task
+    train_prompts: torch.Tensor  # (n, p)
+    eval_sets: dict[str, torch.Tensor]  # name -> (m, p)
+    cfg: PPOConfig
+    policy: TinyLM | None = None  # the initial policy; None: a copy of ``ref`` (as every pipeline cell)
+
+
+class Models(nn.Module):
+    """One cell's modules: ``functional_call`` puts a cell's tensors in, ``forward(fn, *args)`` = fn(self, *args)."""
+
+    def __init__(self, policy: TinyLM, ref: TinyLM, value: ScalarModel | None):
+        super().__init__()
+        self.policy, self.ref, self.value = policy, ref, value
+
+    def forward(self, fn: Callable, *args):
+        return fn(self, *args)
+
+
+def structure(cfg: PPOConfig) -> dict:
+    """What the cells of one population share: the config without seed and KL strength."""
+    kl = cfg.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
+    return {**cfg.model_dump(exclude={"seed", "kl"}), "kl": kl}
+
+
+def check_cells(cells: list[CellInputs]) -> None:
+    """ValueError (one line) for a population this module cannot train, or cells that differ in structure."""
+    if not cells:
+        raise ValueError("a population needs at least one cell")
+    first = cells[0]
+    for c in cells:
+        if not isinstance(c.ref, TinyLM):
+            raise ValueError(f"population: the tiny backend only (TinyLM), not {type(c.ref).__name__} (hf backend)")
+        if c.cfg.kl.ref_sync_every is not None or K.reward_kl_remeasured(c.cfg.kl) or c.cfg.diagnostics:
+            raise ValueError(
+                "population: a moving reference (ref_sync_every), target 'old_policy' with a reward-side KL and "
+                "gradient diagnostics run one cell per process (rlhf.ppo.train_ppo)"
+            )
+        if structure(c.cfg) != structure(first.cfg):
+            raise ValueError("population: cells must share their config except seed and KL coefficient")
+        shapes = lambda x: {k: v.shape for k, v in x.state_dict().items()}
+        same = shapes(c.ref) == shapes(first.ref) and c.task.max_new_tokens == first.task.max_new_tokens
+        sets = lambda x: {k: v.shape[1:] for k, v in x.eval_sets.items()}
+        same = same and c.train_prompts.shape[1:] == first.train_prompts.shape[1:] and sets(c) == sets(first)
+        if not same or (c.reward_model is None) != (first.reward_model is None):
+            raise ValueError("population: cells must share model, prompt and evaluation-set shapes and reward kind")
+
+
+def trainable_leaves(modules: list[Models]) -> dict[str, list[torch.Tensor]]:
+    """Each cell's own policy and value parameters (leaves): name -> B tensors. Adam steps them as separate
+    tensors, exactly as ``train_ppo``'s optimiser does (a fused step over one stacked (B, ...) tensor rounds an
+    element differently depending on its offset: vectorised body vs scalar tail)."""
+    names = [n for n, _ in modules[0].named_parameters() if n.startswith(("policy.", "value."))]
+    return {n: [m.get_parameter(n).detach().clone().requires_grad_(True) for m in modules] for n in names}
+
+
+def stack_frozen(modules: list[Models], trainable) -> dict[str, torch.Tensor]:
+    """Every other tensor of B ``Models`` (reference, buffers) stacked: name -> (B, ...), as
+    ``torch.func.stack_module_state`` does."""
+    dicts = [m.state_dict() for m in modules]
+    return {n: torch.stack([d[n].detach() for d in dicts]) for n in dicts[0] if n not in trainable}  # (B, ...)
+
+
+def cell_state(state: dict[str, torch.Tensor], i: int, prefix: str = "policy.") -> dict[str, torch.Tensor]:
+    """Cell i's ``prefix`` module as a state_dict (detached copies)."""
+    return {k.removeprefix(prefix): v[i].detach().clone() for k, v in state.items() if k.startswith(prefix)}
+
+
+def cellwise(fn: Callable) -> Callable:
+    """``torch.func.vmap(fn)`` over the leading (cell) dim of every tensor in the args and the result, which may
+    also hold None and Python values (None fields of ``Trajectory`` and ``Batch``; vmap itself takes tensors only)."""
+
+    def run(*args):
+        leaves, tree = tree_flatten(args)
+        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        out_spec = {}
+
+        def inner(*tensors):
+            it = iter(tensors)
+            out = fn(*tree_unflatten([next(it) if t else x for x, t in zip(leaves, is_tensor)], tree))
+            out_leaves, out_spec["tree"] = tree_flatten(out)
+            out_spec["tensor"] = [isinstance(x, torch.Tensor) for x in out_leaves]
+            out_spec["leaves"] = out_leaves
+            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+        got = iter(vmap(inner)(*(x for x, t in zip(leaves, is_tensor) if t)))
+        out = [next(got) if t else x for x, t in zip(out_spec["leaves"], out_spec["tensor"])]
+        return tree_unflatten(out, out_spec["tree"])
+
+    return run
+
+
+class Population:
+    """B cells' modules as one stacked state; ``call(fn)`` runs fn(models, *args) for every cell at once."""
+
+    def __init__(self, cells: list[CellInputs]):
+        check_cells(cells)
+        self.cells, self.cfg = cells, cells[0].cfg
+        critic = ALGORITHMS[self.cfg.algorithm].critic
+        modules = []
+        for c in cells:
+            torch.manual_seed(c.cfg.seed)  # train_ppo's global seed: a verifier task's value head is drawn here
+            value = None
+            if critic:
+                value = copy.deepcopy(c.reward_model) if c.reward_model is not None else init_reward_model(c.ref)
+            modules.append(Models(copy.deepcopy(c.ref if c.policy is None else c.policy), c.ref, value))
+        self.template = modules[0]
+        self.leaves = trainable_leaves(modules)
+        self.frozen = stack_frozen(modules, self.leaves)
+        self.opt = adam([x for xs in self.leaves.values() for x in xs], lr=self.cfg.lr, eps=self.cfg.adam_eps)
+        self._state = None
+        device = cells[0].train_prompts.device
+        self.gens = [torch.Generator(device=device).manual_seed(c.cfg.seed) for c in cells]
+        self.score_fns = [scorer(c.reward_model, c.task, c.cfg.missing_eos_score) for c in cells]
+        self.controllers = [K.controller(c.cfg.kl) for c in cells]
+
+    def call(self, fn: Callable) -> Callable:
+        """fn(models, *args) vmapped over the cell dim of the state and of every tensor in args."""
+        batched = cellwise(lambda state, *args: functional_call(self.template, state, (fn, *args)))
+        return lambda *args: batched(self.state(), *args)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """name -> (B, ...): with grad enabled the trainable tensors are stacked anew (differentiable); without,
+        a stacked copy cached until the next ``step``."""
+        if torch.is_grad_enabled():
+            return self.frozen | {n: torch.stack(xs) for n, xs in self.leaves.items()}
+        if self._state is None:
+            self._state = self.frozen | {n: torch.stack(xs).detach() for n, xs in self.leaves.items()}
+        return self._state
+
+    def step(self, losses: torch.Tensor) -> None:
+        """One Adam step of every cell on the sum of their losses (B,) (each cell's gradient is its own loss's)."""
+        self.opt.zero_grad()
+        losses.sum().backward()
+        self.opt.step()
+        self._state = None
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+
+@torch.no_grad()
+def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
+    """``rlhf.model.generate`` for every cell: prompts (B, b, p) -> responses (B, b, T), the forward passes
+    (KV cache (B, b, h, s, d/h) per layer) batched over cells, each cell's tokens drawn with its own generator."""
+    B, b, p = prompts.shape
+    h, cache = pop.call(lambda m, x: m.policy.hidden(x))(prompts)  # (B, b, p, d)
+    head = pop.call(lambda m, x: m.policy.head(x[:, -1]))
+    logits = head(h)  # (B, b, V)
+    out = torch.empty(B, b, max_new_tokens, dtype=torch.long, device=prompts.device)
+    done = torch.zeros(B, b, dtype=torch.bool, device=prompts.device)
+    for t in range(max_new_tokens):
+        probs = F.softmax(logits / temperature, dim=-1)  # (B, b, V)
+        nxt = torch.stack([torch.multinomial(pr, 1, generator=g).squeeze(1) for pr, g in zip(probs, gens)])  # (B, b)
+        nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
+        out[:, :, t] = nxt
+        done |= nxt == EOS
+        if t + 1 < max_new_tokens:
+            step = lambda m, x, c, start=p + t: m.policy.hidden(x[:, None], c, start=start)
+            h, cache = pop.call(step)(nxt, cache)
+            logits = head(h)
+    return out
+
+
+def per_cell(fn: Callable, *xs) -> list[float]:
+    """fn reduced over each cell's own dims (vmap over the leading dim) -> B Python floats."""
+    return vmap(fn)(*xs).tolist()
+
+
+@torch.no_grad()
+def evaluate_cells(pop: Population, it: int) -> list[dict]:
+    """``rlhf.evaluate.evaluate`` of every cell at iteration ``it`` (its keys and values), batched over cells."""
+    cfg, out = pop.cfg, [{"iteration": it} for _ in pop.cells]
+    for name in pop.cells[0].eval_sets:
+        prompts = torch.stack([c.eval_sets[name] for c in pop.cells])  # (B, m, p)
+        gens = [torch.Generator(device=prompts.device).manual_seed(c.cfg.eval_seed) for c in pop.cells]
+        responses = generate_cells(pop, prompts, pop.cells[0].task.max_new_tokens, cfg.temperature, gens)
+        both = lambda m, x, y: [response_logits(mod, x, y, cfg.temperature) for mod in (m.policy, m.ref)]
+        logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
+        for i, c in enumerate(pop.cells):
+            mask = response_mask(responses[i])
+            stats = response_stats(c.reward_model, c.task, prompts[i], responses[i])
+            row = {k: stats.pop(k) for k in ("gold", "proxy") if k in stats}
+            row["kl"] = (K.full_kl(logits[i], ref_logits[i]) * mask).sum(1).mean().item()
+            row["entropy"] = K.masked_mean(K.entropy(logits[i]), mask).item()
+            out[i] |= {(f"{name}_{k}" if name else k): v for k, v in (row | stats).items()}
+    return out
+
+
+@torch.no_grad()
+def rollout_cells(pop: Population, it: int):
+    """Steps 1-6 of ``train_ppo`` for every cell -> (Trajectory, Batch), each tensor with a leading B."""
+    cfg, cells = pop.cfg, pop.cells
+    prompts = torch.stack(
+        [draw_prompts(c.train_prompts, cfg.batch_size, cfg.group_size, g) for c, g in zip(cells, pop.gens)]
+    )
+    responses = generate_cells(pop, prompts, cells[0].task.max_new_tokens, cfg.temperature, pop.gens)  # (B, b, T)
+    traj = pop.call(lambda m, x, y: trajectory(m.policy, m.ref, m.ref, m.value, x, y, cfg.temperature))(
+        prompts, responses
+    )
+    scores = torch.stack([f(x, y) for f, x, y in zip(pop.score_fns, prompts, responses)])  # (B, b)
+    check_finite("scores", scores, it)
+    traj = traj._replace(scores=scores)
+    coefs = torch.tensor([ctl.value for ctl in pop.controllers], device=prompts.device)  # (B,)
+
+    def steps_4_6(tr, coef):
+        return rewards_and_advantages(tr, step_kl_reward(tr, tr.logprobs, tr.logits, cfg), coef, cfg)
+
+    batch = cellwise(steps_4_6)(traj, coefs)
+    check_finite("rewards", batch.rewards, it)
+    return traj, batch, coefs
+
+
+def update_cells(pop: Population, traj, batch, coefs, it: int) -> dict[str, torch.Tensor]:
+    """Step 7 of ``train_ppo`` (``rlhf.ppo.update``) for every cell; per-cell means of the minibatch stats (B,)
+    accumulated in float64 as ``update`` does in Python floats."""
+    cfg = pop.cfg
+    loss_coefs = coefs if K.placement_coefs(cfg.kl, 1.0)[1] is not None else None
+    n_mb = cfg.batch_size // cfg.minibatch_size
+    loss_fn = pop.call(lambda m, tr, bt, mb, lc: minibatch_loss(m.policy, m.value, tr, bt, mb, lc, cfg))
+    stats: dict[str, torch.Tensor] = {}
+    for _ in range(cfg.epochs):
+        perms = torch.stack([torch.randperm(cfg.batch_size, generator=g, device=coefs.device) for g in pop.gens])
+        for mb in perms.view(len(pop), n_mb, cfg.minibatch_size).unbind(1):  # (B, mb)
+            losses, mb_stats = loss_fn(traj, batch, mb, loss_coefs)  # (B,)
+            check_finite("loss", losses, it)
+            pop.step(losses)
+            for k, v in mb_stats.items():
+                stats[k] = stats.get(k, 0.0) + v.detach().double() / (cfg.epochs * n_mb)
+    order = ["pg_loss", "vf_loss", "clipfrac", "approxkl", "kl_loss", "entropy"]
+    return {k: stats.get(k, torch.zeros(len(pop), dtype=torch.float64)) for k in order if k in stats or k == "kl_loss"}
+
+
+def history_rows(pop: Population, it: int, traj, batch, kl_coefs: list[float], stats) -> list[dict]:
+    """Each cell's row of ``train_ppo``'s history (the same keys, in the same order)."""
+    kl_used = [0.0] * len(pop) if batch.kl_reward is None else per_cell(lambda x: x.sum(1).mean(), batch.kl_reward)
+    kl_exact = per_cell(torch.mean, traj.kl_to_ref)
+    score = per_cell(torch.mean, traj.scores)
+    length = per_cell(lambda m: m.sum(1).mean(), traj.mask)
+    gold = [c.task.gold(x, y).mean().item() for c, x, y in zip(pop.cells, traj.prompts, traj.responses)]
+    stat_lists = {k: v.tolist() for k, v in stats.items()}
+    rows = []
+    for i, coef in enumerate(kl_coefs):
+        row = {"iteration": it, "kl_coef": coef, "kl_reward": kl_used[i]}
+        row |= {k: v[i] for k, v in stat_lists.items()}
+        row |= {"kl_exact": kl_exact[i], "score": score[i], "gold_train": gold[i], "length": length[i]}
+        rows.append(row)
+    return rows
+
+
+def train_population(cells: list[CellInputs], progress: Callable[[int], None] | None = None) -> list[dict]:
+    """``rlhf.ppo.train_ppo`` for each of ``cells`` as one batched computation. Returns, per cell, train_ppo's
+    {"history", "evals", "summary", "diagnostics" (empty)} plus "policy": the trained policy's state_dict.
+    ``progress(iteration)`` after each iteration. A single cell runs as a population of 2 (itself twice): with a
+    cell dim of size 1 the CPU kernels coalesce it away and reduce by another path (other last bits)."""
+    n, cells = len(cells), (cells * 2 if len(cells) == 1 else cells)
+    pop = Population(cells)
+    cfg = pop.cfg
+    histories, evals = [[] for _ in cells], [[e] for e in evaluate_cells(pop, 0)]
+    for it in range(1, cfg.iterations + 1):
+        traj, batch, coefs = rollout_cells(pop, it)
+        kl_coefs = [ctl.value for ctl in pop.controllers]
+        stats = update_cells(pop, traj, batch, coefs, it)
+        for ctl, kl in zip(pop.controllers, per_cell(torch.mean, traj.kl_to_ref)):
+            ctl.update(kl, cfg.batch_size)
+        for h, row in zip(histories, history_rows(pop, it, traj, batch, kl_coefs, stats)):
+            h.append(row)
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            for e, row in zip(evals, evaluate_cells(pop, it)):
+                e.append(row)
+        if progress is not None:
+            progress(it)
+    with torch.no_grad():
+        final = pop.state()
+    return [
+        {"history": h, "evals": e, "summary": final_summary(e), "diagnostics": [], "policy": cell_state(final, i)}
+        for i, (h, e) in enumerate(zip(histories[:n], evals[:n]))
+    ]
