@@ -44,9 +44,17 @@ from rlhf import kl as K
 from rlhf.algorithms import ALGORITHMS
 from rlhf.config import PPOConfig
 from rlhf.evaluate import response_stats
-from rlhf.model import ScalarModel, TinyLM, adam, logprobs_from_logits, response_logits
-from rlhf.ppo import check_finite, draw_prompts, final_summary, minibatch_loss, rewards_and_advantages, scorer
-from rlhf.ppo import step_kl_reward, trajectory
+from rlhf.model import ScalarModel, TinyLM, adam, response_logits
+from rlhf.ppo import (
+    check_finite,
+    draw_prompts,
+    final_summary,
+    minibatch_loss,
+    rewards_and_advantages,
+    scorer,
+    step_kl_reward,
+    trajectory,
+)
 from rlhf.reward_model import init_reward_model
 from rlhf.task import EOS, Task, response_mask
 
@@ -80,6 +88,16 @@ def structure(cfg: PPOConfig) -> dict:
     return {**cfg.model_dump(exclude={"seed", "kl"}), "kl": kl}
 
 
+def refused(cfg: PPOConfig) -> str | None:
+    """Why a cell with config ``cfg`` cannot be one of a population, or None."""
+    if cfg.kl.ref_sync_every is not None or K.reward_kl_remeasured(cfg.kl) or cfg.diagnostics:
+        return (
+            "population: a moving reference (ref_sync_every), target 'old_policy' with a reward-side KL and "
+            "gradient diagnostics run one cell per process (rlhf.ppo.train_ppo)"
+        )
+    return None
+
+
 def check_cells(cells: list[CellInputs]) -> None:
     """ValueError (one line) for a population this module cannot train, or cells that differ in structure."""
     if not cells:
@@ -88,11 +106,8 @@ def check_cells(cells: list[CellInputs]) -> None:
     for c in cells:
         if not isinstance(c.ref, TinyLM):
             raise ValueError(f"population: the tiny backend only (TinyLM), not {type(c.ref).__name__} (hf backend)")
-        if c.cfg.kl.ref_sync_every is not None or K.reward_kl_remeasured(c.cfg.kl) or c.cfg.diagnostics:
-            raise ValueError(
-                "population: a moving reference (ref_sync_every), target 'old_policy' with a reward-side KL and "
-                "gradient diagnostics run one cell per process (rlhf.ppo.train_ppo)"
-            )
+        if refused(c.cfg):
+            raise ValueError(refused(c.cfg))
         if structure(c.cfg) != structure(first.cfg):
             raise ValueError("population: cells must share their config except seed and KL coefficient")
         shapes = lambda x: {k: v.shape for k, v in x.state_dict().items()}
