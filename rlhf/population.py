@@ -31,6 +31,7 @@ KL (``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -57,6 +58,12 @@ from rlhf.ppo import (
 )
 from rlhf.reward_model import init_reward_model
 from rlhf.task import EOS, Task, response_mask
+
+# torch.func has no batching rule for the CPU flash-attention kernel: it runs SDPA cell by cell (correct, only
+# slower); the warning would repeat at every call site
+warnings.filterwarnings(
+    "ignore", message="There is a performance drop because we have not yet implemented the batching"
+)
 
 
 class CellInputs(NamedTuple):
