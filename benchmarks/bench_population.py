@@ -8,14 +8,16 @@ cell per process (``rlhf.ppo.train_ppo``), on a device (issue 21).
 A cell is the default grammar cell of ``bench_gpu.py`` (params.yaml's PPO settings, the reference arm at the middle
 coefficient, grammar instance 0, models of params.yaml's size with random weights: speed does not depend on
 them); the B cells of a population differ in seed and coefficient (the coefficients of params.yaml's grid, in
-turn). ``single``: one ``train_ppo`` cell in this process (what one worker does per cell); cells/hour = 3600 /
-its seconds, per worker. ``population B``: ``train_population`` of B cells; cells/hour = 3600 B / its seconds.
-Each figure is the median of ``--repeats`` runs; ``per_cell_ratio`` = single seconds / (population seconds / B)
-(> 1: the population is faster per cell). ``--max-doubling`` (default on CUDA) goes on doubling B past the last
-size until the device runs out of memory (or B = 8192): the largest B that fit is reported. The population's
-cell 0 is the single cell: ``vs_single`` holds |difference| of its final gold and KL (float rounding, amplified by
-training; ``rlhf.population``'s docstring). Results: stdout and benchmarks/out/population.json (git-ignored).
-The hf backend is not benchmarked: ``rlhf.population`` refuses it (its docstring says why).
+turn). Seconds are wall-clock on CUDA and this process's CPU seconds on CPU (one torch thread: cells/hour per
+core, robust to other work on a shared machine). ``single``: one ``train_ppo`` cell in this process (what one
+worker does per cell); cells/hour = 3600 / its seconds, per worker. ``population B``: ``train_population`` of B
+cells; cells/hour = 3600 B / its seconds. Each figure is the median of ``--repeats`` runs; ``per_cell_ratio`` =
+single seconds / (population seconds / B) (> 1: the population is faster per cell). ``--max-doubling`` (default
+on CUDA) goes on doubling B past the last size until the device runs out of memory (or B = 8192): the largest B
+that fit is reported. The population's cell 0 is the single cell: ``vs_single`` holds |difference| of its final
+gold and KL (float rounding, amplified by training; ``rlhf.population``'s docstring). Results: stdout and
+benchmarks/out/population.json (git-ignored). The hf backend is not benchmarked: ``rlhf.population`` refuses it
+(its docstring says why).
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ def population_inputs(w, b: int) -> list[CellInputs]:
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
+    """(seconds, fn()): wall-clock seconds on CUDA; on CPU this process's CPU seconds (one thread: what a cell
+    costs a core, robust to other work on a shared machine)."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     out = fn()
     sync(device)
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def single(w, device: torch.device) -> tuple[float, dict]:

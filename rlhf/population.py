@@ -11,25 +11,32 @@ module (the "model ensembling" pattern of the torch.func docs, https://pytorch.o
 
     loss_i = minibatch_loss(cell i),   sum_i loss_i .backward()  ->  grad_i = d loss_i / d theta_i  (cells disjoint)
 
-then one fused Adam step on the stacked tensors applies each cell's elementwise update. Random draws (prompts,
+then one fused Adam step over every cell's own parameter tensors (the stacked weights are ``torch.stack`` of
+them, rebuilt differentiably for each minibatch; Adam on one stacked tensor would round an element differently
+depending on its offset in it) applies each cell's update as ``train_ppo``'s would. Random draws (prompts,
 sampled tokens, minibatch permutations) come from each cell's own ``torch.Generator`` in the order of
 ``rlhf.ppo.train_ppo``, outside vmap (torch.func cannot take a generator), so a cell's draws do not depend on its
-neighbours. Scores (verifier or reward model) and the evaluation statistics are per-cell loops over slices.
+neighbours. The proxy reward model is batched as the policy is; a verifier (``task.gold``, per instance) and the
+evaluation statistics are per-cell loops over slices. On CUDA attention takes SDPA's math path (``attention``).
 
-Identity (tests/rlhf/test_population.py): on CPU a cell run alone (B = 1) and inside a population of 8 gives
-bit-identical histories, evaluations and parameters. Against ``train_ppo`` (one cell, no vmap) the forward values
-are identical but the batched backward of LayerNorm rounds its weight/bias gradients differently (last float bits),
-so trajectories drift apart after the first update: population results are a re-baseline, not today's numbers.
+Identity (tests/rlhf/test_population.py): on CPU, with one torch thread, a cell run alone and inside a population
+of 8 gives bit-identical histories, evaluations and parameters (a single cell runs as B = 2, itself twice: a cell
+dim of size 1 is coalesced away by the CPU kernels, which then reduce by another path). Against ``train_ppo`` (one
+cell, no vmap) it is not bit-identical: batched kernels (per-cell reductions, the batched LayerNorm backward) round
+the last float bits differently, and training amplifies that: population results are a re-baseline of the cells
+they run (benchmarks/bench_population.py measures the final gold and KL difference).
 
 Coverage: the tiny backend (``rlhf.model.TinyLM``); every algorithm (ppo with its critic, grpo, rloo,
 reinforce_pp), every placement and estimator, fixed or adaptive coefficient, every policy-loss option. Refused
-with a ValueError: the hf backend (``rlhf.hf.HFLM``: its Hugging Face modules hold a KV-cache object and attention
-dispatch that vmap cannot batch), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side
-KL (``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics.
+with a ValueError: the hf backend (``rlhf.hf.HFLM``; not attempted: teacher-forced passes would go through
+``functional_call`` as TinyLM's do, but its generation keeps a transformers cache object, which vmap has not been
+tried on), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side KL
+(``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics: they run one cell per process, as today.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable
@@ -39,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from rlhf import kl as K
@@ -56,7 +64,7 @@ from rlhf.ppo import (
     step_kl_reward,
     trajectory,
 )
-from rlhf.reward_model import init_reward_model
+from rlhf.reward_model import init_reward_model, score
 from rlhf.task import EOS, Task, response_mask
 
 # torch.func has no batching rule for the CPU flash-attention kernel: it runs SDPA cell by cell (correct, only
@@ -81,9 +89,9 @@ class CellInputs(NamedTuple):
 class Models(nn.Module):
     """One cell's modules: ``functional_call`` puts a cell's tensors in, ``forward(fn, *args)`` = fn(self, *args)."""
 
-    def __init__(self, policy: TinyLM, ref: TinyLM, value: ScalarModel | None):
+    def __init__(self, policy: TinyLM, ref: TinyLM, value: ScalarModel | None, rm: ScalarModel | None):
         super().__init__()
-        self.policy, self.ref, self.value = policy, ref, value
+        self.policy, self.ref, self.value, self.rm = policy, ref, value, rm
 
     def forward(self, fn: Callable, *args):
         return fn(self, *args)
@@ -115,6 +123,8 @@ def check_cells(cells: list[CellInputs]) -> None:
             raise ValueError(f"population: the tiny backend only (TinyLM), not {type(c.ref).__name__} (hf backend)")
         if refused(c.cfg):
             raise ValueError(refused(c.cfg))
+        if (c.task.reward == "learned") != (c.reward_model is not None):
+            raise ValueError(f"population: a task with a {c.task.reward!r} reward needs a reward model iff learned")
         if structure(c.cfg) != structure(first.cfg):
             raise ValueError("population: cells must share their config except seed and KL coefficient")
         shapes = lambda x: {k: v.shape for k, v in x.state_dict().items()}
@@ -182,7 +192,8 @@ class Population:
             value = None
             if critic:
                 value = copy.deepcopy(c.reward_model) if c.reward_model is not None else init_reward_model(c.ref)
-            modules.append(Models(copy.deepcopy(c.ref if c.policy is None else c.policy), c.ref, value))
+            policy = copy.deepcopy(c.ref if c.policy is None else c.policy)
+            modules.append(Models(policy, c.ref, value, c.reward_model))
         self.template = modules[0]
         self.leaves = trainable_leaves(modules)
         self.frozen = stack_frozen(modules, self.leaves)
@@ -190,7 +201,6 @@ class Population:
         self._state = None
         device = cells[0].train_prompts.device
         self.gens = [torch.Generator(device=device).manual_seed(c.cfg.seed) for c in cells]
-        self.score_fns = [scorer(c.reward_model, c.task, c.cfg.missing_eos_score) for c in cells]
         self.controllers = [K.controller(c.cfg.kl) for c in cells]
 
     def call(self, fn: Callable) -> Callable:
@@ -256,14 +266,29 @@ def evaluate_cells(pop: Population, it: int) -> list[dict]:
         responses = generate_cells(pop, prompts, pop.cells[0].task.max_new_tokens, cfg.temperature, gens)
         both = lambda m, x, y: [response_logits(mod, x, y, cfg.temperature) for mod in (m.policy, m.ref)]
         logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
+        proxy = (
+            None
+            if pop.cells[0].reward_model is None
+            else pop.call(lambda m, x, y: score(m.rm, x, y))(prompts, responses)
+        )
         for i, c in enumerate(pop.cells):
             mask = response_mask(responses[i])
-            stats = response_stats(c.reward_model, c.task, prompts[i], responses[i])
-            row = {k: stats.pop(k) for k in ("gold", "proxy") if k in stats}
+            stats = response_stats(None, c.task, prompts[i], responses[i])  # the proxy is batched: ``proxy``
+            row = {"gold": stats.pop("gold")} | ({} if proxy is None else {"proxy": proxy[i].mean().item()})
             row["kl"] = (K.full_kl(logits[i], ref_logits[i]) * mask).sum(1).mean().item()
             row["entropy"] = K.masked_mean(K.entropy(logits[i]), mask).item()
             out[i] |= {(f"{name}_{k}" if name else k): v for k, v in (row | stats).items()}
     return out
+
+
+def step_3(pop: Population, prompts, responses) -> torch.Tensor:
+    """``train_ppo``'s step 3 for every cell: (B, b) scores of the proxy reward model (batched, with the
+    missing-EOS score) or of each cell's verifier (a loop: ``task.gold`` is per instance)."""
+    if pop.cells[0].reward_model is not None:
+        return pop.call(lambda m, x, y: scorer(m.rm, pop.cells[0].task, pop.cfg.missing_eos_score)(x, y))(
+            prompts, responses
+        )
+    return torch.stack([c.task.gold(x, y) for c, x, y in zip(pop.cells, prompts, responses)])
 
 
 @torch.no_grad()
@@ -277,7 +302,7 @@ def rollout_cells(pop: Population, it: int):
     traj = pop.call(lambda m, x, y: trajectory(m.policy, m.ref, m.ref, m.value, x, y, cfg.temperature))(
         prompts, responses
     )
-    scores = torch.stack([f(x, y) for f, x, y in zip(pop.score_fns, prompts, responses)])  # (B, b)
+    scores = step_3(pop, prompts, responses)  # (B, b)
     check_finite("scores", scores, it)
     traj = traj._replace(scores=scores)
     coefs = torch.tensor([ctl.value for ctl in pop.controllers], device=prompts.device)  # (B,)
@@ -333,9 +358,21 @@ def train_population(cells: list[CellInputs], progress: Callable[[int], None] | 
     ``progress(iteration)`` after each iteration. A single cell runs as a population of 2 (itself twice): with a
     cell dim of size 1 the CPU kernels coalesce it away and reduce by another path (other last bits)."""
     n, cells = len(cells), (cells * 2 if len(cells) == 1 else cells)
-    pop = Population(cells)
+    with attention(cells[0].train_prompts.device):
+        return _train(Population(cells), progress)[:n]
+
+
+def attention(device: torch.device):
+    """On CUDA, SDPA's math path (matmuls and a softmax, which vmap batches over cells; torch.func may lack a
+    batching rule for a fused attention kernel, then it loops over cells); elsewhere the default kernel (on CPU
+    it runs cell by cell, which keeps a cell's numbers independent of B)."""
+    return sdpa_kernel(SDPBackend.MATH) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _train(pop: Population, progress) -> list[dict]:
     cfg = pop.cfg
-    histories, evals = [[] for _ in cells], [[e] for e in evaluate_cells(pop, 0)]
+    """Trains ``pop`` (``train_population``)."""
+    histories, evals = [[] for _ in pop.cells], [[e] for e in evaluate_cells(pop, 0)]
     for it in range(1, cfg.iterations + 1):
         traj, batch, coefs = rollout_cells(pop, it)
         kl_coefs = [ctl.value for ctl in pop.controllers]
@@ -353,5 +390,5 @@ def train_population(cells: list[CellInputs], progress: Callable[[int], None] | 
         final = pop.state()
     return [
         {"history": h, "evals": e, "summary": final_summary(e), "diagnostics": [], "policy": cell_state(final, i)}
-        for i, (h, e) in enumerate(zip(histories[:n], evals[:n]))
+        for i, (h, e) in enumerate(zip(histories, evals))
     ]
