@@ -18,6 +18,7 @@ import io
 import json
 import sys
 import time
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -90,11 +91,20 @@ def resolved(params: Experiment, cell: Cell) -> Cell:
     return resolve(cell, params, json.loads(path.read_text()))
 
 
-def run_cell(params: Experiment, cell: Cell) -> dict:
-    """Trains one cell and writes its outputs atomically. Returns its summary plus ``wall_s`` (seconds; not in
-    summary.json, which must be the same on every rerun)."""
+class Loaded(NamedTuple):
+    """A cell's inputs on ``device``, as its stage loads them."""
+
+    cell: Cell  # resolved (a design cell has its KL config)
+    cfg: PPOConfig
+    data: dict
+    task: object
+    ref: object
+    reward_model: object
+
+
+def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
+    """The resolved cell, its config, data, task, SFT reference and (learned-reward task) reward model."""
     cell = resolved(params, cell)
-    device = setup()
     data = load_checkpoint(data_path(cell.task, cell.instance))
     task = load_task(data)
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
@@ -103,37 +113,53 @@ def run_cell(params: Experiment, cell: Cell) -> dict:
         reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
     cfg = cell.config  # built once, in the grid
+    return Loaded(cell, cfg, data, task, ref, reward_model)
+
+
+def write_outputs(cell: Cell, axes: dict, out: dict, wall_s: float, client, rid) -> dict:
+    """Logs a finished cell's ``train_ppo`` output ``out`` to its MLflow run and writes its outputs atomically;
+    returns its summary (summary.json's content)."""
+    summary = {"stage": cell.stage, **axes, "config": cell.config.model_dump(mode="json"), **out["summary"]}
+    tracking.log_metrics(client, rid, out["history"], prefix="train/")
+    tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
+    for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
+        rows = [{k: v for k, v in r.items() if k != "regime"} for r in out["diagnostics"] if r["regime"] == regime]
+        tracking.log_metrics(client, rid, rows, prefix=f"diagnostics/{regime}/")
+    final = {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))}
+    tracking.log_final(client, rid, {**final, "wall_s": wall_s})
+    with atomic_dir(cell.out_dir) as tmp:
+        write_json(tmp / "summary.json", summary)
+        (tmp / "evals.csv").write_text(to_csv(out["evals"]))
+        (tmp / "history.csv").write_text(to_csv(out["history"]))
+        diagnostics = to_csv(out["diagnostics"]) if out["diagnostics"] else "iteration,regime\n"  # none: a header
+        (tmp / "diagnostics.csv").write_text(diagnostics)
+        run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
+        client.log_artifact(rid, str(tmp / "curves.png"))
+    return summary
+
+
+def run_cell(params: Experiment, cell: Cell) -> dict:
+    """Trains one cell and writes its outputs atomically. Returns its summary plus ``wall_s`` (seconds; not in
+    summary.json, which must be the same on every rerun)."""
+    device = setup()
+    c = load_cell(params, cell, device)
+    cell, cfg = c.cell, c.cfg
     axes = cell_axes(cell, cfg)
     with tracking.stage_run(cell.stage, params.mlflow.experiment, cfg.model_dump(), tags=axes) as (client, rid):
         start = time.perf_counter()
         with tqdm(total=cfg.iterations, desc=cell.stage, leave=False) as bar:
             out = train_ppo(
-                copy.deepcopy(ref),
-                ref,
-                reward_model,
-                task,
-                data["train_prompts"].to(device),
-                eval_sets(data, device),
+                copy.deepcopy(c.ref),
+                c.ref,
+                c.reward_model,
+                c.task,
+                c.data["train_prompts"].to(device),
+                eval_sets(c.data, device),
                 cfg,
                 progress=lambda row: bar.update(),
             )
         wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
-        summary = {"stage": cell.stage, **axes, "config": cfg.model_dump(mode="json"), **out["summary"]}
-        tracking.log_metrics(client, rid, out["history"], prefix="train/")
-        tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
-        for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
-            rows = [{k: v for k, v in r.items() if k != "regime"} for r in out["diagnostics"] if r["regime"] == regime]
-            tracking.log_metrics(client, rid, rows, prefix=f"diagnostics/{regime}/")
-        final = {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))}
-        tracking.log_final(client, rid, {**final, "wall_s": wall_s})
-        with atomic_dir(cell.out_dir) as tmp:
-            write_json(tmp / "summary.json", summary)
-            (tmp / "evals.csv").write_text(to_csv(out["evals"]))
-            (tmp / "history.csv").write_text(to_csv(out["history"]))
-            diagnostics = to_csv(out["diagnostics"]) if out["diagnostics"] else "iteration,regime\n"  # none: a header
-            (tmp / "diagnostics.csv").write_text(diagnostics)
-            run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
-            client.log_artifact(rid, str(tmp / "curves.png"))
+        summary = write_outputs(cell, axes, out, wall_s, client, rid)
     return {**summary, "wall_s": wall_s}
 
 

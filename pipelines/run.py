@@ -4,6 +4,8 @@
     python -m pipelines.run --workers 1          # one cell at a time (CPU)
     python -m pipelines.run --gpus 0,1 --workers-per-gpu 2   # 4 workers, 2 on each of GPUs 0 and 1
     python -m pipelines.run --ray-address auto   # cells as Ray tasks (pip install -e '.[ray]'), shared filesystem
+    python -m pipelines.run --gpus 0 --population 256   # up to 256 cells of one structure per worker, batched
+                                                        # (pipelines/population.py; the CPU default stays 1 cell)
 
 Placement. Without CUDA (torch sees no device; `CUDA_VISIBLE_DEVICES=` hides them) workers are CPU processes, one
 per core or --workers. With CUDA each worker owns one GPU for its life: its CUDA_VISIBLE_DEVICES is set to that
@@ -522,7 +524,8 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
                     print(f"[{done}/{n}] FAILED {cell.stage}: {tracking.fault_line(e) or _last_line(e)}", flush=True)
                     continue
                 print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
-                recorder.add(cell, s.get(RAN_WITH))
+                for member in getattr(cell, "cells", (cell,)):  # a population (pipelines/population.py): each cell
+                    recorder.add(member, s.get(RAN_WITH))
                 if getattr(cell, "next", None) and s.get(RAN_WITH) is not None:
                     pending[backend.submit(root, cell.next, run_cell)] = cell.next
             recorder.poll()
@@ -532,7 +535,8 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
             backend.stop(list(pending))
         recorder.finish()
         if pending:
-            _fail_runs(experiment, "stopped by the grid runner", {c.stage for c in pending.values()})
+            stopped = {m.stage for c in pending.values() for m in getattr(c, "cells", (c,))}
+            _fail_runs(experiment, "stopped by the grid runner", stopped)
     sig.check(
         f"{len(recorder.recorded)} finished {what} are recorded in dvc.lock, {len(pending)} were stopped "
         "(MLflow runs marked FAILED); run again to do the rest"
@@ -608,6 +612,8 @@ def placement(args: argparse.Namespace, visible: list[str]) -> tuple[int, list[s
     evenly, and a pool that starts fewer workers than slots (fewer cells than workers) still spreads them."""
     if args.workers is not None and args.workers < 1:
         raise RunnerError(f"--workers must be 1 or more (got {args.workers})", 2)
+    if getattr(args, "population", None) is not None and (args.population < 1 or args.ray_address):
+        raise RunnerError("--population N: N must be 1 or more, and local workers only (not --ray-address)", 2)
     if args.workers_per_gpu is not None and args.workers_per_gpu < 1:
         raise RunnerError(f"--workers-per-gpu must be 1 or more (got {args.workers_per_gpu})", 2)
     if args.ray_address:
@@ -647,6 +653,10 @@ def run_wave(todo: list[Cell], backend, env, sig: Signals, args, run_cell, exper
     """Runs the stale cells ``todo`` on the workers, recording them as they finish; RunnerError if any failed."""
     if not todo:
         return
+    if getattr(args, "population", None):  # groups of cells, each group one batched computation in a worker
+        from pipelines import population
+
+        todo, run_cell = population.plan(load_params(), todo, args.population), population.executor(run_cell)
     recorder = Recorder(env, args.commit_every)
     failed = run_cells(todo, backend(), recorder, sig, run_cell, experiment)
     if failed:
@@ -718,6 +728,11 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     ap.add_argument("--gpus", help="GPUs for local workers, e.g. 0,1 (default with CUDA: every visible GPU)")
     ap.add_argument("--workers-per-gpu", type=int, help="workers (cells at once) per GPU; on Ray: 1/N GPU per cell")
     ap.add_argument("--ray-address", help="Ray cluster address ('auto', 'ray://host:10001' or 'local')")
+    ap.add_argument(
+        "--population",
+        type=int,
+        help="up to N stale cells of one structure per worker, as one batched computation",
+    )
     ap.add_argument("--no-analysis", action="store_true", help="stop after the grid cells")
     ap.add_argument(
         "--calibration-only", action="store_true", help="stop once the calibration has fixed protocol/<task>.json"

@@ -116,6 +116,12 @@ def rollout(policy, ref_policy, train_ref, value_model, prompts, task: Task, tem
     """Steps 1-2: sample responses to ``prompts`` (b, p), log-probs under the policy and the training reference,
     the exact KL to the frozen reference ``ref_policy``, values. -> Trajectory without scores."""
     responses = generate(policy, prompts, task.max_new_tokens, temperature, g, EOS)  # (b, t)
+    return trajectory(policy, ref_policy, train_ref, value_model, prompts, responses, temperature)
+
+
+def trajectory(policy, ref_policy, train_ref, value_model, prompts, responses, temperature: float) -> Trajectory:
+    """Step 2 of ``rollout`` on sampled ``responses`` (b, t) to ``prompts`` (b, p), without scores (also the step
+    of every cell of ``rlhf.population``, under ``torch.func.vmap``)."""
     mask = response_mask(responses)  # (b, t)
     logits = response_logits(policy, prompts, responses, temperature)  # (b, t, V)
     logprobs = logprobs_from_logits(logits, responses)  # (b, t)

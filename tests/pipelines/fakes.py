@@ -153,3 +153,14 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def sleepy_group(params, group) -> dict:
+    """A population (pipelines/population.py ``Group``): ``sleepy`` for each of its cells, in one worker call;
+    writes FAKE_DIR/group-<first stage>.json with its cells' stages."""
+    for cell in group.cells:
+        sleepy(params, cell)
+    (Path(os.environ["FAKE_DIR"]) / f"group-{group.cells[0].stage}.json").write_text(
+        json.dumps([c.stage for c in group.cells])
+    )
+    return {"final_gold": 0.0, "wall_s": 0.0, "cells": len(group.cells)}
