@@ -306,9 +306,10 @@ def rollout_cells(pop: Population, it: int):
     check_finite("scores", scores, it)
     traj = traj._replace(scores=scores)
     coefs = torch.tensor([ctl.value for ctl in pop.controllers], device=prompts.device)  # (B,)
+    kl = K.resolve(cfg.kl, cfg.pg_mode)  # the population's shared structure: both sides, as train_ppo resolves it
 
     def steps_4_6(tr, coef):
-        return rewards_and_advantages(tr, step_kl_reward(tr, tr.logprobs, tr.logits, cfg), coef, cfg)
+        return rewards_and_advantages(tr, step_kl_reward(tr, tr.logprobs, tr.logits, kl), coef, cfg)
 
     batch = cellwise(steps_4_6)(traj, coefs)
     check_finite("rewards", batch.rewards, it)
@@ -319,14 +320,14 @@ def update_cells(pop: Population, traj, batch, coefs, it: int) -> dict[str, torc
     """Step 7 of ``train_ppo`` (``rlhf.ppo.update``) for every cell; per-cell means of the minibatch stats (B,)
     accumulated in float64 as ``update`` does in Python floats."""
     cfg = pop.cfg
-    loss_coefs = coefs if K.placement_coefs(cfg.kl, 1.0)[1] is not None else None
+    kl = K.resolve(cfg.kl, cfg.pg_mode)  # kl.loss_kl None: no loss side, the coefficient unused
     n_mb = cfg.batch_size // cfg.minibatch_size
-    loss_fn = pop.call(lambda m, tr, bt, mb, lc: minibatch_loss(m.policy, m.value, tr, bt, mb, lc, cfg))
+    loss_fn = pop.call(lambda m, tr, bt, mb, lc: minibatch_loss(m.policy, m.value, tr, bt, mb, lc, cfg, kl))
     stats: dict[str, torch.Tensor] = {}
     for _ in range(cfg.epochs):
         perms = torch.stack([torch.randperm(cfg.batch_size, generator=g, device=coefs.device) for g in pop.gens])
         for mb in perms.view(len(pop), n_mb, cfg.minibatch_size).unbind(1):  # (B, mb)
-            losses, mb_stats = loss_fn(traj, batch, mb, loss_coefs)  # (B,)
+            losses, mb_stats = loss_fn(traj, batch, mb, coefs)  # (B,)
             check_finite("loss", losses, it)
             pop.step(losses)
             for k, v in mb_stats.items():
