@@ -176,10 +176,10 @@ def profile_summary(prof, iterations: int) -> dict:
 
 
 def run_child(tree: Path, pinned: bool, workload: dict, profile: bool = False, compiled: bool = False) -> dict:
-    from pipelines.cpu import PIN, PIN_ENV, pin_env
+    from pipelines.cpu import PIN, PIN_ENV, THREADS_ENV, pin_env
 
     env = {k: v for k, v in os.environ.items() if k not in PIN and k != PIN_ENV}
-    env |= {"PYTHONPATH": str(tree), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
+    env |= {"PYTHONPATH": str(tree), THREADS_ENV: "1", PIN_ENV: "on" if pinned else "off"}
     env |= pin_env() if pinned else {}  # the baseline has no pin of its own: it gets the same variables
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(workload)]
     cmd += ["--profile"] * profile + ["--compile"] * compiled

@@ -116,10 +116,10 @@ def child(full: bool) -> dict:
 
 
 def run(pinned: bool, extra: dict, full: bool) -> dict:
-    from pipelines.cpu import PIN, PIN_ENV
+    from pipelines.cpu import PIN, PIN_ENV, THREADS_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in (*PIN, *LIBRARY_ENV, PIN_ENV)}
-    env |= extra | {"PYTHONPATH": str(ROOT), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
+    env |= extra | {"PYTHONPATH": str(ROOT), THREADS_ENV: "1", PIN_ENV: "on" if pinned else "off"}
     env["TQDM_DISABLE"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + ["--full"] * full
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)

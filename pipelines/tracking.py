@@ -31,7 +31,7 @@ from pathlib import Path
 STAGE_TAG = "dvc_stage"
 REPO_TAG = "repo_root"  # the repository a run belongs to: one MLflow store may serve several (MLFLOW_TRACKING_URI)
 ROOT = Path.cwd()  # stages run from the repo root (dvc.yaml's wdir)
-RUNNER_LOCK = Path(".dvc/tmp/runner/lock")  # pipelines/run.py runner_lock: held by the grid runner while it works
+RUNNER_LOCK = Path(".dvc/tmp/runner/lock")  # pipelines.runner.repo runner_lock: held by the grid runner while it works
 RUNNER_ENV = "RLHF_RUNNER_PID"  # set by the runner for its workers and DVC calls
 
 
@@ -96,7 +96,8 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client(experiment: str):
+def experiment_client(experiment: str):
+    """(MlflowClient of the tracking URI, id of ``experiment``), creating the experiment and describing it."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -120,7 +121,7 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
     leaves one visible run), the resolved config is logged as params, and the run ends FINISHED, or FAILED
     if the block raises or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
     refuse_beside_runner()
-    client, exp_id = _client(experiment)
+    client, exp_id = experiment_client(experiment)
     for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
         if _ours(old):  # never another repository's run of the same stage name
             client.delete_run(old.info.run_id)

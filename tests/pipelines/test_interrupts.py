@@ -21,7 +21,7 @@ import yaml
 
 from ablations.config import load_params
 from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_stages
-from pipelines import lockfile
+from pipelines.runner import lockfile
 from tests.pipelines.fakes import runner_script
 from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
 from tests.pipelines.test_run import alive, children, wait_for, worker_pids
@@ -104,7 +104,7 @@ def status(root: Path) -> dict:
 def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):  # noqa: F811
     proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real, in the pool), then the calibration wave
     # As soon as the first finished upstream stage is being recorded: Ctrl-C twice.
-    wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.lockfile\0commit"))
+    wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.runner.lockfile\0commit"))
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the runner and its workers, not the commit
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)

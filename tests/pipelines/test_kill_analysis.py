@@ -21,7 +21,7 @@ from tests.pipelines.test_run import wait_for
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-WORDS = (b"pipelines.analysis", b"pipelines.lockfile\0dvc")
+WORDS = (b"pipelines.analysis", b"pipelines.runner.lockfile\0dvc")
 
 
 def survivors(root: Path) -> list[int]:
