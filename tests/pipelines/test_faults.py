@@ -15,7 +15,7 @@ from pipelines import tracking
 from pipelines.runner import cli, lockfile, record
 from pipelines.runner.repo import runner_lock
 from pipelines.runner.signals import RunnerError
-from tests.pipelines.test_e2e import TINY
+from tests.pipelines.tiny import TINY
 
 from ..conftest import repo_params
 

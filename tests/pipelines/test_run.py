@@ -25,7 +25,8 @@ from pipelines.runner.repo import runner_lock
 from pipelines.runner.signals import RunnerError
 from tests.conftest import REPO, repo_params
 from tests.pipelines.fakes import committed, runner_script
-from tests.pipelines.test_e2e import TINY
+from tests.pipelines.procs import alive, children, wait_for, worker_pids
+from tests.pipelines.tiny import TINY
 
 
 @pytest.fixture
@@ -59,38 +60,6 @@ def start_runner(workdir: Path, **extra: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    """A live process (a zombie waiting for its reaper does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def children(pid: int, word: bytes) -> list[int]:
-    """Child processes of ``pid`` whose command line (arguments joined by NUL) contains ``word``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and word in (stat.parent / "cmdline").read_bytes():
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def worker_pids(workdir: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in (workdir / "fake").glob("worker-*")]
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
