@@ -160,15 +160,16 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
         sig.check("stopped before any compute")
         os.environ.setdefault(THREADS_ENV, "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
-        sweep = Sweep(args, sig, params, env, workers, slots, run_cell, run_stage)
-        try:
-            sweep.cells()
-        finally:
-            sweep.close()
-        if args.calibration_only:
-            return
-        if not args.no_analysis:  # the running tasks' analyses (a task with no instances has none to run)
-            dvc(["repro", *(f"{task}_analysis" for task in params.tasks())], env, sig)
+        with mlflow_runs.sweep(params.mlflow.experiment, env):
+            sweep = Sweep(args, sig, params, env, workers, slots, run_cell, run_stage)
+            try:
+                sweep.cells()
+            finally:
+                sweep.close()
+            if args.calibration_only:
+                return
+            if not args.no_analysis:  # the running tasks' analyses (a task with no instances has none to run)
+                dvc(["repro", *(f"{task}_analysis" for task in params.tasks())], env, sig)
     print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import suppress
 
+from pipelines import tracking
 from pipelines.cpu import THREADS_ENV
 from pipelines.runner.signals import RunnerError
 from pipelines.runner.worker import cell_in_worker
@@ -25,7 +26,8 @@ class RayPool:
         import ray
 
         self.ray = ray
-        env = {k: os.environ[k] for k in (THREADS_ENV, "TQDM_DISABLE", "MLFLOW_TRACKING_URI") if k in os.environ}
+        keys = (THREADS_ENV, "TQDM_DISABLE", "MLFLOW_TRACKING_URI", tracking.PARENT_ENV)
+        env = {k: os.environ[k] for k in keys if k in os.environ}
         ray.init(address=address, runtime_env={"env_vars": env})
         try:
             res = ray_resources(ray.cluster_resources().get("GPU", 0), workers_per_gpu, int(env[THREADS_ENV]))
