@@ -116,7 +116,8 @@ def test_double_ctrl_c_during_a_commit_leaves_a_whole_lock_file(workdir):
 
 def test_ctrl_c_while_the_workers_start_ends_with_one_line(workdir):
     proc = start_runner(workdir)
-    wait_for(lambda: children(proc.pid, b"spawn_main"))  # a worker is being started: imports, not yet set up
+    # a worker is being started: imports, not yet set up (after the sweep's MLflow parent run: a new store first)
+    wait_for(lambda: children(proc.pid, b"spawn_main"), timeout=180)
     os.killpg(proc.pid, signal.SIGINT)
     rc, out, err = finish(proc)
     assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
