@@ -20,12 +20,16 @@ its calibrated direction: a question whose control is not detected cannot say "e
 (sequential.effective_verdict: "insensitive"). The no-KL control (no KL minus the reference arm at ``coef``) is
 reported with its direction checked against calibration; it licenses nothing at the margin.
 
-Beside the exact results, the paired t-test at the decided look (same level) is shown, never used to decide.
+Beside the exact results, the paired t-test at the decided look (same level) is shown, never used to decide; so
+are rliable's interval estimates (Agarwal et al. 2021, "Deep RL at the edge of the statistical precipice"):
+percentile-bootstrap 95% CIs of the mean and IQM difference and the probability of improvement P(arm > other),
+with its CI (``beside_rliable``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -81,11 +85,60 @@ def _t_beside(d: np.ndarray, a: float) -> dict:
     return {"t_p": p, "t_lo": float(d.mean() - half), "t_hi": float(d.mean() + half)}
 
 
+def probability_of_improvement(x, y, axis: int = -1) -> np.ndarray | float:
+    """P(X > Y) as rliable defines it (google-research/rliable 1.2.0, rliable/metrics.py
+    ``probability_of_improvement``, lines 73-95): the Mann-Whitney U statistic of X over Y divided by n_x n_y, a
+    tie counting 1/2 -- the chance that a run of X scores above a run of Y. One task here, so no average over
+    tasks. Along ``axis`` (vectorised for the bootstrap)."""
+    x, y = np.moveaxis(np.asarray(x, float), axis, -1), np.moveaxis(np.asarray(y, float), axis, -1)
+    a, b = x[..., :, None], y[..., None, :]
+    p = ((a > b) + 0.5 * (a == b)).mean(axis=(-2, -1))
+    return float(p) if np.ndim(p) == 0 else p
+
+
+def iqm(x, axis: int = -1):
+    """Interquartile mean: the 25% trimmed mean (rliable metrics.py ``aggregate_iqm``, scipy.stats.trim_mean)."""
+    return stats.trim_mean(x, proportiontocut=0.25, axis=axis)
+
+
+RLIABLE = {
+    "boot_mean": lambda a, b, axis: np.mean(a, axis=axis) - np.mean(b, axis=axis),
+    "boot_iqm": lambda a, b, axis: iqm(a, axis=axis) - iqm(b, axis=axis),
+    "p_improve": probability_of_improvement,
+}
+
+
+def beside_rliable(a: np.ndarray, b: np.ndarray, level: float = 0.95, resamples: int = 2000) -> dict:
+    """rliable's interval estimates of arm (``a``) against other (``b``), per instance in the same order: each
+    statistic and its percentile-bootstrap CI (rliable's StratifiedBootstrap with one stratum, the task, over
+    instances; paired: an instance's two values are resampled together). Seeded: the report is reproducible.
+    Shown beside the exact tests, never used to decide; NaN with fewer than two instances."""
+    out = {}
+    for name, stat in RLIABLE.items():
+        out[name] = float(stat(a, b, axis=-1)) if len(a) else math.nan
+        lo = hi = math.nan
+        if len(a) >= 2 and np.isfinite(a).all() and np.isfinite(b).all():
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # degenerate resamples (all equal) give a NaN bound: shown as –
+                ci = stats.bootstrap(
+                    (a, b), stat, paired=True, vectorized=True, n_resamples=resamples, confidence_level=level,
+                    method="percentile", rng=np.random.default_rng(0),
+                ).confidence_interval  # fmt: skip
+            lo, hi = float(ci.low), float(ci.high)
+        out[f"{name}_lo"], out[f"{name}_hi"] = lo, hi
+    return out
+
+
+def ordered(a: pd.Series, order: list[int]) -> np.ndarray:
+    return np.array([a[i] for i in order], dtype=float)
+
+
 def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: list[int], margin: float) -> dict:
     """One primary question: its path of looks and its decision, with controls and the t-test beside."""
     ref, column = proto.reference_arm, COLUMN[spec.metric]
     (ka, la), (kb, lb) = (cell_of(protocol, x, spec.role, ref) for x in (spec.arm, spec.other))
-    d = ordered_difference(values(runs, spec.arm, ka, la, column), values(runs, spec.other, kb, lb, column), order)
+    va, vb = values(runs, spec.arm, ka, la, column), values(runs, spec.other, kb, lb, column)
+    d = ordered_difference(va, vb, order)
     control = ordered_difference(
         values(runs, ref, "fixed", protocol["coef"], column),
         values(runs, ref, "fixed", protocol["control_coef"], column),
@@ -132,6 +185,7 @@ def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: l
         "no_kl_expected_sign": nk_dir,
         "no_kl_direction_ok": bool(len(nk) and nk_dir and np.sign(np.mean(nk)) == nk_dir),
         **(_t_beside(d[: dec["n"]], dec["a_j"]) if dec["n"] else _t_beside(np.array([]), 0.05)),
+        **beside_rliable(ordered(va, order[: dec["n"]]), ordered(vb, order[: dec["n"]])),
         "path": [_look(x) for x in looks],
     }
 

@@ -40,8 +40,20 @@ def primary_sentence(r: dict) -> str:
     return (
         f"{head} ({r['status']} at n = {r['n']}): Δ {_f(r['estimate'], sign=True)}, exact {lvl} CI "
         f"{_ci(r['lo'], r['hi'])}, margin ±{r['margin']:.3g}; exact sign-flip p {T.pval(r['p_exact'])} "
-        f"(paired t beside it: p {T.pval(r['t_p'])}, CI {_ci(r['t_lo'], r['t_hi'])}); margin-sized control "
-        f"{ctrl} (Δ {_f(r['control_effect'], sign=True)}, calibrated {_f(r['control_calibrated'], sign=True)})."
+        f"(paired t beside it: p {T.pval(r['t_p'])}, CI {_ci(r['t_lo'], r['t_hi'])}{_rliable(r)}); margin-sized "
+        f"control {ctrl} (Δ {_f(r['control_effect'], sign=True)}, calibrated {_f(r['control_calibrated'], sign=True)})."
+    )
+
+
+def _rliable(r: dict) -> str:
+    """rliable's interval estimates beside the exact result (ablations/primary.py beside_rliable), never deciding."""
+    if "p_improve" not in r:
+        return ""
+    better = r["comparison"].replace(" − ", " > ")
+    return (
+        f"; rliable: bootstrap 95% CI of mean Δ {_ci(r['boot_mean_lo'], r['boot_mean_hi'])}, IQM Δ "
+        f"{_f(r['boot_iqm'], sign=True)} {_ci(r['boot_iqm_lo'], r['boot_iqm_hi'])}, P({better}) "
+        f"{_f(r['p_improve'])} {_ci(r['p_improve_lo'], r['p_improve_hi'])}"
     )
 
 

@@ -1,40 +1,39 @@
 """Calibration of the arithmetic (RLVR) task: SFT accuracy in and out of domain, then short PPO runs with the verifier.
 
-    python benchmarks/arithmetic_calibration.py [--seeds 0 1 2] [--runs none reward_k1@0.3 loss_k3@0.3]
+    python benchmarks/arithmetic_calibration.py [--seeds 0 1 2] [--runs none reward_k1@0.3 loss_k3@0.3] [--smoke]
 
 1. Builds ``rlhf.arithmetic.Arithmetic`` with the suggested values below (the lead moves them to params.yaml),
    draws the demonstrations and the train / eval / ood prompts from one generator (``DATA['seed']``).
 2. SFT (``rlhf.sft.train_sft``) at the suggested model size; reports wall time and the accuracy of samples at
    the PPO temperature on the held-out in-domain ('eval') and out-of-domain ('ood') prompts.
-3. PPO (``rlhf.ppo.train_ppo`` with params.yaml's ``ppo`` section and ``PPO_OVERRIDES``) for each arm@coef and
-   seed, scored by the verifier.
-   ``train_ppo`` scores with a reward model and measures the grammar task, so this script adapts it *here*
-   without touching rlhf/ppo.py: ``score`` (step 3), ``gold_reward`` (the history's gold) and ``evaluate`` are
-   replaced inside ``rlhf.ppo`` for the duration of the runs (``verifier_ppo``). The value model is the SFT
-   backbone with a fresh scalar head (there is no reward model to initialise it from). Every evaluation reports
-   accuracy, format errors and the exact KL(pi || pi_ref) summed over the response, on both prompt sets.
+3. PPO (``rlhf.ppo.train_ppo`` with params.yaml's ``arithmetic.ppo`` section and ``PPO_OVERRIDES``) for each
+   arm@coef and seed, scored by the verifier (a verifier task: no reward model; ``train_ppo`` initialises the
+   value model from the SFT backbone with a fresh scalar head). Every evaluation reports accuracy, format errors
+   and the exact KL(pi || pi_ref) summed over the response, on the in-domain and the OOD ('ood_*') prompts.
+``--smoke``: a few seconds' run at toy sizes (tests/test_benchmarks.py), written to --out.
 """
 
 from __future__ import annotations
 
+import pipelines  # noqa: F401  (first: pins the CPU math paths before torch loads, as every stage does)
+
+# isort: split
 import argparse
 import copy
 import json
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from unittest.mock import patch
 
 import torch
 
 from ablations.config import load_params
 from pipelines.common import setup
-from rlhf import ppo
 from rlhf.arithmetic import Arithmetic
 from rlhf.config import KLConfig, PPOConfig, no_kl
 from rlhf.kl import entropy, full_kl, masked_mean
-from rlhf.model import ScalarModel, TinyLM, generate, response_logits
+from rlhf.model import TinyLM, generate, response_logits
+from rlhf.ppo import train_ppo
 from rlhf.sft import train_sft
 from rlhf.task import EOS, response_mask
 
@@ -52,6 +51,11 @@ TASK = dict(
 DATA = dict(seed=0, n_demos=20000, n_train_prompts=2048, n_eval_prompts=512)
 MODEL = dict(d_model=64, n_layers=2, n_heads=4)
 SFT = dict(steps=3000, batch_size=64, lr=3e-3, adam_eps=1e-8, seed=0)
+# --smoke: toy sizes, so that a test can run the whole script in seconds
+SMOKE = dict(
+    data=dict(n_demos=200, n_train_prompts=16, n_eval_prompts=16), model=dict(d_model=16, n_layers=1, n_heads=2)
+)
+SMOKE_SFT, SMOKE_PPO = dict(steps=2, batch_size=16), dict(iterations=1, batch_size=8, minibatch_size=4, epochs=1)
 # params.yaml's ppo lr (1e-3) makes accuracy and KL oscillate on this task (and one reward_k1 seed collapsed to
 # 10 nats); 3e-4 rises smoothly on every seed. Everything else is params.yaml's ppo section.
 PPO_OVERRIDES = dict(lr=3e-4)
@@ -93,44 +97,40 @@ def measure(task: Arithmetic, policy, ref_policy, prompts, temperature: float, s
     }
 
 
-@contextmanager
-def verifier_ppo(task: Arithmetic, ood_prompts: torch.Tensor):
-    """rlhf.ppo with the verifier as the score and this task's measurement (in-domain keys, then ``ood_*``)."""
-
-    def evaluate(policy, ref_policy, reward_model, grammar, eval_prompts, temperature, seed):
-        ood = measure(task, policy, ref_policy, ood_prompts.to(eval_prompts.device), temperature, seed)
-        return {**measure(task, policy, ref_policy, eval_prompts, temperature, seed)} | {
-            f"ood_{k}": v for k, v in ood.items()
-        }
-
-    with patch.multiple(
-        ppo,
-        score=lambda reward_model, prompts, responses: task.gold(prompts, responses),
-        gold_reward=lambda grammar, prompts, responses: task.gold(prompts, responses),
-        evaluate=evaluate,
-    ):
-        yield
-
-
-def run_sft(task: Arithmetic, data: dict, device) -> tuple[TinyLM, dict[str, float], list[float]]:
+def run_sft(task: Arithmetic, data: dict, device, model_size: dict, sft: dict) -> tuple[TinyLM, dict, list[float]]:
     """SFT at the suggested size; returns the model, {"wall": s, "cpu": s} and the per-step losses (CPU time of
     this process is what one thread costs when the machine is shared; wall time includes waiting for a core)."""
-    torch.manual_seed(SFT["seed"])
-    model = TinyLM(task.vocab_size, task.prompt_len + task.max_new_tokens, **MODEL).to(device)
-    g = torch.Generator(device=device).manual_seed(SFT["seed"])
+    torch.manual_seed(sft["seed"])
+    model = TinyLM(task.vocab_size, task.prompt_len + task.max_new_tokens, **model_size).to(device)
+    g = torch.Generator(device=device).manual_seed(sft["seed"])
     start, cpu = time.perf_counter(), time.process_time()
     losses = train_sft(
         model,
         data["demo_prompts"].to(device),
         data["demo_responses"].to(device),
-        SFT["steps"],
-        SFT["batch_size"],
-        SFT["lr"],
+        sft["steps"],
+        sft["batch_size"],
+        sft["lr"],
         g,
-        adam_eps=SFT["adam_eps"],
+        adam_eps=sft["adam_eps"],
     )
     seconds = {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}
     return model.eval(), seconds, losses
+
+
+def sizes(smoke: bool) -> tuple[dict, dict, dict, dict]:
+    """(data, model, SFT, PPO overrides): the suggested values, or the toy ones of ``--smoke``."""
+    if not smoke:
+        return DATA, MODEL, SFT, PPO_OVERRIDES
+    return {**DATA, **SMOKE["data"]}, SMOKE["model"], {**SFT, **SMOKE_SFT}, {**PPO_OVERRIDES, **SMOKE_PPO}
+
+
+def ppo_run(task, sft, data: dict, cfg: PPOConfig, device) -> dict:
+    """One PPO run on the verifier (no reward model), measured on the in-domain and the OOD prompts."""
+    sets = {"": data["eval_prompts"].to(device), "ood": data["ood_prompts"].to(device)}
+    start, cpu = time.perf_counter(), time.process_time()
+    out = train_ppo(copy.deepcopy(sft), sft, None, task, data["train_prompts"].to(device), sets, cfg)
+    return {"seconds": {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}, "evals": out["evals"]}
 
 
 def main() -> None:
@@ -138,13 +138,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--runs", nargs="+", default=["none", "reward_k1@0.3", "loss_k3@0.3"], help="arm@coef")
     ap.add_argument("--out", default="benchmarks/arithmetic_calibration.json")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, one PPO iteration (a test that it runs)")
     args = ap.parse_args()
     device = setup()
-    params = load_params()
+    ppo_defaults = load_params().arithmetic.ppo
+    data_size, model_size, sft_params, overrides = sizes(args.smoke)
     task = Arithmetic(**TASK)
-    data = build(task, DATA["seed"], DATA["n_demos"], DATA["n_train_prompts"], DATA["n_eval_prompts"])
-    sft, sft_seconds, losses = run_sft(task, data, device)
-    temperature, eval_seed = params.ppo.temperature, params.ppo.eval_seed
+    n = data_size["n_demos"], data_size["n_train_prompts"], data_size["n_eval_prompts"]
+    data = build(task, data_size["seed"], *n)
+    sft, sft_seconds, losses = run_sft(task, data, device, model_size, sft_params)
+    temperature, eval_seed = ppo_defaults.temperature, ppo_defaults.eval_seed
     ev, ood = data["eval_prompts"].to(device), data["ood_prompts"].to(device)
     ceiling = {
         split: ((1 - task.carry_drop) ** task.n_carries(p).double()).mean().item()
@@ -152,42 +155,27 @@ def main() -> None:
     }
     result = {
         "task": TASK,
-        "data": DATA,
-        "model": MODEL,
-        "sft": SFT,
-        "ppo_overrides": PPO_OVERRIDES,
+        "data": data_size,
+        "model": model_size,
+        "sft": sft_params,
+        "ppo_overrides": overrides,
         "sft_seconds": sft_seconds,
         "sft_threads": torch.get_num_threads(),
         "load_average_after_sft": list(os.getloadavg()),
-        "sft_final_loss": sum(losses[-100:]) / 100,
+        "sft_final_loss": sum(losses[-100:]) / len(losses[-100:]),
         "sft_eval": measure(task, sft, sft, ev, temperature, eval_seed),
         "sft_ood": measure(task, sft, sft, ood, temperature, eval_seed),
         "demo_imitation_accuracy": ceiling,  # E[(1 - carry_drop)^C]: a perfect imitator of the demonstrations
         "ppo": {},
     }
     print(json.dumps({k: v for k, v in result.items() if k != "ppo"}, indent=1), flush=True)
+    base = {**ppo_defaults.model_dump(exclude={"kl", "seed"}), **overrides}
     for name in args.runs:
         arm, _, coef = name.partition("@")
-        kl = ARMS[arm](float(coef or 0))
         for seed in args.seeds:
-            torch.manual_seed(seed)
-            value_init = ScalarModel(copy.deepcopy(sft))  # fresh scalar head on the SFT backbone
-            start, cpu = time.perf_counter(), time.process_time()
-            with verifier_ppo(task, ood):
-                out = ppo.train_ppo(
-                    copy.deepcopy(sft),
-                    sft,
-                    value_init,
-                    task,
-                    data["train_prompts"].to(device),
-                    ev,
-                    PPOConfig(**{**params.ppo.model_dump(exclude={"kl", "seed"}), **PPO_OVERRIDES}, kl=kl, seed=seed),
-                )
-            result["ppo"].setdefault(name, {})[str(seed)] = {
-                "seconds": {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu},
-                "evals": out["evals"],
-            }
-            first, last = out["evals"][0], out["evals"][-1]
+            cfg = PPOConfig(**base, kl=ARMS[arm](float(coef or 0)), seed=seed)
+            run = result["ppo"].setdefault(name, {})[str(seed)] = ppo_run(task, sft, data, cfg, device)
+            first, last = run["evals"][0], run["evals"][-1]
             print(
                 f"{name} seed {seed}: accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f}, "
                 f"ood {first['ood_accuracy']:.3f} -> {last['ood_accuracy']:.3f}, kl {last['kl']:.2f} "

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from _reference import reference
 
 from ablations.config import load_params
-from ablations.grid import cells
 from pipelines.common import setup
 from pipelines.upstream import build_upstream
 from rlhf.config import ALGORITHMS, GROUPED, PPOConfig
@@ -41,15 +41,8 @@ def upstream(params, device):
 
 
 def reference_config(params) -> PPOConfig:
-    """The run config of the reference arm at the grammar task's middle coefficient, first instance and seed."""
-    coefs = params.grammar.coefs
-    mid = coefs[len(coefs) // 2]
-    cell = next(
-        c
-        for c in cells(params)
-        if c.task == "grammar" and c.kind == "fixed" and c.arm == params.analysis.reference_arm and c.coef == mid
-    )
-    return cell.config
+    """The run config of the reference arm at the grammar task's middle coefficient, first seed (_reference)."""
+    return reference(params).config
 
 
 def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):

@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 
 import torch
+from _reference import reference
 from bench_backends import Bench, build, sizes
 
 from ablations.config import load_params
-from ablations.grid import cells
 from pipelines.common import load_task
 from pipelines.data import build as build_task
 from rlhf import hf
@@ -92,13 +92,7 @@ def worker(args) -> None:
     s = sizes(params)
     task = build_task("grammar", params.grammar.task, 0)
     grammar = load_task(task)
-    coefs = params.grammar.coefs
-    mid = coefs[len(coefs) // 2]
-    ref_arm = params.analysis.reference_arm
-    cell = next(
-        c for c in cells(params) if c.task == "grammar" and c.kind == "fixed" and c.arm == ref_arm and c.coef == mid
-    )
-    cfg = cell.config
+    cfg = reference(params).config
     if args.iterations is not None:
         cfg = cfg.model_copy(update={"iterations": args.iterations})
     bf16 = args.bf16 and args.backend != "tiny"

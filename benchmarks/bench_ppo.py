@@ -44,24 +44,21 @@ def spec(iterations: int | None, d_model: int | None = None) -> dict:
     """The resolved workload, as plain JSON for both trees: grammar, model and PPO config of the reference cell
     (``iterations`` overrides params.yaml's, for a shorter benchmark; ``d_model`` the model width, e.g. 8 for the
     cost of an iteration with almost no arithmetic: what dispatch, autograd and Python cost per op)."""
+    from _reference import reference
+
     from ablations.config import load_params
-    from ablations.grid import cells
 
     p = load_params()
-    mid = p.grammar.coefs[len(p.grammar.coefs) // 2]
-    ref = p.analysis.reference_arm
-    is_ref = lambda c: c.task == "grammar" and c.kind == "fixed" and c.arm == ref and c.coef == mid
-    cell = next(c for c in cells(p) if is_ref(c))
+    ref = reference(p)
     t = p.grammar.task
-    grammar = dict(seed=cell.instance, **t.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"}))
+    grammar = dict(seed=0, **t.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"}))
     return {
         "grammar": grammar,
         "prompts": [t.n_train_prompts, t.n_eval_prompts],
         "model": p.grammar.model.model_dump(include={"d_model", "n_layers", "n_heads"})
         | ({"d_model": d_model} if d_model else {}),
-        "ppo": p.grammar.ppo_config(cell.kl, cell.seed).model_dump(mode="json")
-        | ({"iterations": iterations} if iterations else {}),
-        "arm": cell.stage,
+        "ppo": ref.config.model_dump(mode="json") | ({"iterations": iterations} if iterations else {}),
+        "arm": ref.name,
     }
 
 
@@ -176,10 +173,10 @@ def profile_summary(prof, iterations: int) -> dict:
 
 
 def run_child(tree: Path, pinned: bool, workload: dict, profile: bool = False, compiled: bool = False) -> dict:
-    from pipelines.cpu import PIN, PIN_ENV, pin_env
+    from pipelines.cpu import PIN, PIN_ENV, THREADS_ENV, pin_env
 
     env = {k: v for k, v in os.environ.items() if k not in PIN and k != PIN_ENV}
-    env |= {"PYTHONPATH": str(tree), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
+    env |= {"PYTHONPATH": str(tree), THREADS_ENV: "1", PIN_ENV: "on" if pinned else "off"}
     env |= pin_env() if pinned else {}  # the baseline has no pin of its own: it gets the same variables
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(workload)]
     cmd += ["--profile"] * profile + ["--compile"] * compiled

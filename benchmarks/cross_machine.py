@@ -68,9 +68,9 @@ def child(full: bool) -> dict:
     import copy
 
     import torch
+    from _reference import reference
 
     from ablations.config import load_params
-    from ablations.grid import cells
     from pipelines.common import setup
     from pipelines.cpu import settings
     from pipelines.upstream import build_upstream
@@ -84,9 +84,7 @@ def child(full: bool) -> dict:
         )
         p = p.model_copy(update={"grammar": section})
     task, grammar, sft_model, reward_model, metrics = build_upstream(p, 0, device)
-    mid = p.grid.coefs[len(p.grid.coefs) // 2]
-    ref = p.analysis.reference_arm
-    cell = next(c for c in cells(p) if c.kind == "fixed" and c.arm == ref and c.coef == mid)
+    ref = reference(p)
     policy = copy.deepcopy(sft_model)
     out = train_ppo(
         policy,
@@ -95,7 +93,7 @@ def child(full: bool) -> dict:
         grammar,
         task["train_prompts"],
         task["eval_prompts"],
-        p.grammar.ppo_config(cell.kl, cell.seed),
+        ref.config,
     )
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in policy.state_dict().values())).hexdigest()
     s = out["summary"]
@@ -110,16 +108,16 @@ def child(full: bool) -> dict:
         "ppo final_proxy": s["final_proxy"],
         "ppo policy sha256": digest[:16],
         "settings": settings(),
-        "stage": cell.stage,
+        "stage": ref.name,
         "torch_version": torch.__version__,
     }
 
 
 def run(pinned: bool, extra: dict, full: bool) -> dict:
-    from pipelines.cpu import PIN, PIN_ENV
+    from pipelines.cpu import PIN, PIN_ENV, THREADS_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in (*PIN, *LIBRARY_ENV, PIN_ENV)}
-    env |= extra | {"PYTHONPATH": str(ROOT), "RLHF_THREADS": "1", PIN_ENV: "on" if pinned else "off"}
+    env |= extra | {"PYTHONPATH": str(ROOT), THREADS_ENV: "1", PIN_ENV: "on" if pinned else "off"}
     env["TQDM_DISABLE"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + ["--full"] * full
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -146,13 +144,18 @@ def table(results: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="params.yaml's full lengths, for the three key rows only")
+    ap.add_argument(
+        "--smoke", action="store_true", help="one pinned row at params.yaml's lengths (a test that it runs)"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.full = args.full or args.smoke
     if args.child:
         print(json.dumps(child(args.full)))
         return
     sys.path.insert(0, str(ROOT))
-    configs = {k: CONFIGS[k] for k in FULL_ROWS} if args.full else CONFIGS
+    rows = ("pinned (any of these machines)",) if args.smoke else FULL_ROWS if args.full else tuple(CONFIGS)
+    configs = {k: CONFIGS[k] for k in rows}
     results = {}
     for name, (pinned, extra) in configs.items():
         results[name] = run(pinned, extra, args.full)

@@ -12,6 +12,9 @@ run). Prints a markdown table; writes benchmarks/diagnostics.json.
 
 from __future__ import annotations
 
+import pipelines  # noqa: F401  (first: pins the CPU math paths before torch loads, as every stage does)
+
+# isort: split
 import argparse
 import copy
 import json

@@ -15,11 +15,10 @@ from torch import nn
 
 from ablations.experiment import ModelParams
 from pipelines import cpu
+from pipelines.cpu import THREADS_ENV
 from rlhf.model import ScalarModel, TinyLM, default_device
 from rlhf.task import Task
 from rlhf.tasks import task_from_state
-
-THREADS_ENV = "RLHF_THREADS"
 
 
 # Where each stage's outputs live (dvc.yaml writes the same paths; the e2e tests run both).

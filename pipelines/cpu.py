@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 
 PIN_ENV = "RLHF_CPU_PIN"  # "on" (the default) or "off"
+THREADS_ENV = "RLHF_THREADS"  # torch threads of a stage (common.setup; the runner sets it for its workers)
 PIN = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_CBWR": "AVX2",

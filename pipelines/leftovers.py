@@ -1,8 +1,8 @@
 """What killed processes leave behind, and its cleanup (torch-free: the runner imports it).
 
 Every writer of the stages goes through a hidden temporary sibling, ``.<name>.tmp-<8 hex>`` (pipelines/common.py
-``atomic_dir``, ``write_atomic``, ``save_checkpoint``; pipelines/lockfile.py for dvc.lock), renamed into place when
-complete (POSIX ``rename`` is atomic). A process killed before the rename leaves that sibling behind, as it leaves
+``atomic_dir``, ``write_atomic``, ``save_checkpoint``; pipelines/runner/lockfile.py for dvc.lock), renamed into place
+when complete (POSIX ``rename`` is atomic). A process killed before the rename leaves that sibling behind, as it leaves
 ``tempfile``'s ``.<name>-tmp-<8 chars>`` of the analysis stage. ``clean_temp`` removes them at the runner's start,
 so that they are never hashed into a stage's inputs (the analysis depends on the whole ``runs`` directory).
 """

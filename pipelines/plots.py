@@ -44,3 +44,13 @@ def run_figure(runs: dict[str, list[dict]] | list[dict], title: str, groups: dic
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def save_run_figure(runs: dict[str, list[dict]] | list[dict], title: str, path, dpi: int = 90) -> None:
+    """``run_figure`` written to ``path``, then closed: pyplot keeps every figure it made until it is closed, so a
+    worker that runs many cells would otherwise grow with each."""
+    fig = run_figure(runs, title)
+    try:
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

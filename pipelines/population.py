@@ -115,9 +115,9 @@ def run_item(run_cell, group_fn, params: Params, item: Cell | Group) -> dict:
 
 def ppo_group(params: Params, group: Group) -> dict:
     """``run_group`` in a runner's worker (MLflow's store made ready first, as for a cell)."""
-    from pipelines.run import _mlflow_ready
+    from pipelines.runner import mlflow_runs
 
-    _mlflow_ready(params.mlflow.experiment)
+    mlflow_runs.ready(params.mlflow.experiment)
     return run_group(params, group)
 
 

@@ -38,7 +38,7 @@ from pipelines.common import (
     setup,
     write_json,
 )
-from pipelines.plots import run_figure
+from pipelines.plots import save_run_figure
 from rlhf.config import PPOConfig
 from rlhf.ppo import train_ppo
 
@@ -133,7 +133,7 @@ def write_outputs(cell: Cell, axes: dict, out: dict, wall_s: float, client, rid)
         (tmp / "history.csv").write_text(to_csv(out["history"]))
         diagnostics = to_csv(out["diagnostics"]) if out["diagnostics"] else "iteration,regime\n"  # none: a header
         (tmp / "diagnostics.csv").write_text(diagnostics)
-        run_figure(out["evals"], cell.stage).savefig(tmp / "curves.png", dpi=90)
+        save_run_figure(out["evals"], cell.stage, tmp / "curves.png")
         client.log_artifact(rid, str(tmp / "curves.png"))
     return summary
 

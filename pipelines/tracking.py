@@ -31,8 +31,12 @@ from pathlib import Path
 STAGE_TAG = "dvc_stage"
 REPO_TAG = "repo_root"  # the repository a run belongs to: one MLflow store may serve several (MLFLOW_TRACKING_URI)
 ROOT = Path.cwd()  # stages run from the repo root (dvc.yaml's wdir)
-RUNNER_LOCK = Path(".dvc/tmp/runner/lock")  # pipelines/run.py runner_lock: held by the grid runner while it works
+RUNNER_LOCK = Path(".dvc/tmp/runner/lock")  # pipelines.runner.repo runner_lock: held by the grid runner while it works
 RUNNER_ENV = "RLHF_RUNNER_PID"  # set by the runner for its workers and DVC calls
+# The run id of the sweep (one grid-runner invocation) a stage's run nests under, set by the runner for its workers
+# and DVC calls (pipelines/runner/mlflow_runs.py); a stage run by plain `dvc repro` logs a top-level run.
+PARENT_ENV = "RLHF_MLFLOW_PARENT_RUN"
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag of a nested run (mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID)
 
 
 def flock_holder(path: Path) -> str | None:
@@ -96,7 +100,8 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client(experiment: str):
+def experiment_client(experiment: str):
+    """(MlflowClient of the tracking URI, id of ``experiment``), creating the experiment and describing it."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -120,7 +125,7 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
     leaves one visible run), the resolved config is logged as params, and the run ends FINISHED, or FAILED
     if the block raises or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
     refuse_beside_runner()
-    client, exp_id = _client(experiment)
+    client, exp_id = experiment_client(experiment)
     for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
         if _ours(old):  # never another repository's run of the same stage name
             client.delete_run(old.info.run_id)
@@ -129,6 +134,7 @@ def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = Non
     all_tags = {STAGE_TAG: stage, REPO_TAG: str(ROOT), "git_commit": git_commit()}
     all_tags |= {k: str(v) for k, v in (tags or {}).items()}
     all_tags |= {f"determinism.{k}": v for k, v in cpu.settings().items()}  # what decides the float results
+    all_tags |= {PARENT_TAG: os.environ[PARENT_ENV]} if os.environ.get(PARENT_ENV) else {}
     run = client.create_run(exp_id, run_name=stage, tags=all_tags)
     run_id = run.info.run_id
     from mlflow.entities import Param
@@ -288,8 +294,9 @@ def description(experiment_id: str) -> str:
     return f"""**Does it matter where the KL penalty goes?** The answer: `reports/<task>/report.md` (artifact of \
 each `<task>_analysis` run). Start with the [training curves by arm]({view_path(experiment_id)}).
 
-- **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`). Re-running a stage replaces \
-its run; a stage that died leaves its run *Failed*.
+- **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`), nested under the run of the \
+sweep (`make repro`, tag `sweep`) that ran it; a stage run by plain `dvc repro` is a top-level run. Re-running a stage \
+replaces its run; a stage that died leaves its run *Failed*. Filter one task with `tags.task = "grammar"`.
 - **Tags**: a grid cell's axes (`task`, `kind`, `instance`, `arm`, `coef`, `kl_target`, `placement`, `estimator`, \
 `target`, ...) and `git_commit`. \
 Filter with e.g. `tags.arm = "loss_k3"`, or *Group by* a tag.

@@ -56,6 +56,17 @@ TINY_TASK = dict(
     max_new_tokens=6,
 )
 
+ARITHMETIC = dict(  # the arithmetic task of the unit tests (params.yaml's values at its calibration)
+    n_digits=3,
+    max_new_tokens=5,
+    carry_drop=0.4,
+    sub_fraction=0.5,
+    eval_fraction=0.1,
+    rl_fraction=0.3,
+    split_seed=0,
+    format_penalty=0.0,
+)
+
 
 @pytest.fixture(scope="session")
 def grammar() -> Grammar:
@@ -183,6 +194,15 @@ def run_ppo(ppo_setup):
         )
 
     return run
+
+
+@pytest.fixture
+def params_copy(tmp_path, monkeypatch) -> Path:
+    """A temporary directory holding a copy of the repository's params.yaml, as the working directory."""
+    from tests.helpers import copy_params
+
+    monkeypatch.chdir(tmp_path)
+    return copy_params(tmp_path)
 
 
 @pytest.fixture(autouse=True)

@@ -9,43 +9,11 @@ directory above it).
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("rlhf", "ablations", "pipelines")
-
-
-def module_file(name: str) -> Path | None:
-    """The repository file of module ``name`` (package -> its __init__.py), or None if it is not ours."""
-    if name.split(".")[0] not in PACKAGES:
-        return None
-    base = REPO.joinpath(*name.split("."))
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
-
-
-def imported_modules(path: Path, name: str) -> set[str]:
-    """Names of the modules ``path`` (module ``name``) imports, including ``from pkg import submodule`` forms and
-    the parent packages Python imports on the way."""
-    out: set[str] = set()
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            out.add(base)
-            out |= {f"{base}.{a.name}" for a in node.names}
-    parents = {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
-    return out | parents
+from tests.helpers import PACKAGES, REPO, imported_modules, module_file
 
 
 def import_closure(entry: str) -> set[Path]:

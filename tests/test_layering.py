@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_dvc_deps import REPO, imported_modules
+from tests.helpers import REPO, imported_modules
 
 LAYER = {"rlhf": 0, "ablations": 1, "pipelines": 2}
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pipelines import run
-from tests.pipelines.test_e2e import TINY
+from tests.pipelines.tiny import TINY
 
 from ..conftest import repo_params
 

@@ -24,19 +24,19 @@ LOCK = Path("fake.lock")
 
 
 def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[str, ...] | None = ()) -> str:
-    """`python -c` source that runs pipelines.run.main with a cell function of this module (and its DVC and upstream
-    stages; with real DVC, the real stages), on a machine whose visible CUDA devices are ``gpus`` (default: none,
-    CPU workers; None: what torch sees)."""
+    """`python -c` source that runs pipelines.runner.cli.main with a cell function of this module (and its DVC and
+    upstream stages; with real DVC, the real stages), on a machine whose visible CUDA devices are ``gpus`` (default:
+    none, CPU workers; None: what torch sees)."""
     dvc = (
-        "run.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
-        "run.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
+        "dvccli.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
+        "dvccli.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
     )
-    stage = "fakes.stage" if fake_dvc else "run.upstream_stage"
-    visible = "" if gpus is None else f"run.visible_gpus = lambda: {list(gpus)!r}; "
+    stage = "fakes.stage" if fake_dvc else "worker.upstream_stage"
+    visible = "" if gpus is None else f"plan.visible_gpus = lambda: {list(gpus)!r}; "
     return (
-        "import sys; from pipelines import run; from tests.pipelines import fakes; "
+        "import sys; from pipelines.runner import cli, dvccli, plan, worker; from tests.pipelines import fakes; "
         f"{dvc if fake_dvc else ''}{visible}"
-        f"sys.exit(run.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}))"
+        f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}))"
     )
 
 
@@ -164,3 +164,16 @@ def sleepy_group(params, group) -> dict:
         json.dumps([c.stage for c in group.cells])
     )
     return {"final_gold": 0.0, "wall_s": 0.0, "cells": len(group.cells)}
+
+
+def env(workdir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a runner started on ``workdir`` with fake DVC and fake cells (no MLflow work)."""
+    from tests.conftest import REPO  # here, not at the top: the fake DVC command imports this module
+
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "FAKE_DIR": str(workdir / "fake"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'none.db'}",  # never created: no MLflow work
+        **extra,
+    }

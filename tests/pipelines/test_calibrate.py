@@ -3,7 +3,6 @@ the refusals, in one line, before anything is written. tests/pipelines/test_e2e.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,36 +14,29 @@ from pipelines import calibrate
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def repo(tmp_path, monkeypatch) -> Path:
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def refusal(argv: list[str]) -> str:
     with pytest.raises(SystemExit) as e:
         calibrate.main(argv)
     return str(e.value.code)
 
 
-def test_calibrate_refuses_in_one_line_when_its_calibration_runs_are_missing(repo):
+def test_calibrate_refuses_in_one_line_when_its_calibration_runs_are_missing(params_copy):
     message = refusal(["grammar"])
     assert "\n" not in message, message
     n = len([c for c in calibration_cells(load_params()) if c.task == "grammar"])  # none has run
     assert message.startswith(f"error: grammar_calibrate needs every calibration run; {n} stage(s) have no usable")
     assert "grammar_calibration_baseline@0-0" in message and "analysis" not in message, message
-    assert not (repo / "protocol").exists()  # nothing written
+    assert not (params_copy / "protocol").exists()  # nothing written
 
 
-def test_calibrate_names_the_tasks_it_knows(repo):
+def test_calibrate_names_the_tasks_it_knows(params_copy):
     message = refusal(["grammer"])
     assert message.startswith("usage: python -m pipelines.calibrate <task>; allowed: grammar, arithmetic"), message
     assert refusal([]).startswith("usage: ")
-    assert not (repo / "protocol").exists()
+    assert not (params_copy / "protocol").exists()
 
 
-def test_a_design_cell_refuses_to_run_before_the_calibration(repo):
+def test_a_design_cell_refuses_to_run_before_the_calibration(params_copy):
     from pipelines.ppo import resolved
 
     params = load_params()

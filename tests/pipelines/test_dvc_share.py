@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.pipelines.tiny import TINY, make_repo, sh
+
 from ..conftest import repo_params
-from .test_e2e import TINY, make_repo, sh
 
 pytestmark = pytest.mark.slow
 DVC = (sys.executable, "-m", "dvc")

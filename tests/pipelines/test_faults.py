@@ -11,8 +11,11 @@ import sqlite3
 import pytest
 import yaml
 
-from pipelines import lockfile, run, tracking
-from tests.pipelines.test_e2e import TINY
+from pipelines import tracking
+from pipelines.runner import cli, lockfile, record
+from pipelines.runner.repo import runner_lock
+from pipelines.runner.signals import RunnerError
+from tests.pipelines.tiny import TINY
 
 from ..conftest import repo_params
 
@@ -43,7 +46,7 @@ def test_the_runner_refuses_to_start_beside_a_dvc_command(repo, capsys):
         f.write(" 4242\n")
         f.flush()
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert run.main(["--workers", "1"]) == 2
+        assert cli.main(["--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert (
         err == "error: a DVC command (pid 4242) is working in this repository (it holds .dvc/tmp/lock); wait "
@@ -55,7 +58,7 @@ def test_a_stage_of_a_plain_dvc_repro_is_refused_beside_the_runner(repo, monkeyp
     monkeypatch.setattr(tracking, "ROOT", repo)
     monkeypatch.delenv(tracking.RUNNER_ENV, raising=False)
     tracking.refuse_beside_runner()  # no runner: nothing to refuse
-    with run.runner_lock(repo / ".dvc/tmp/runner"):
+    with runner_lock(repo / ".dvc/tmp/runner"):
         with pytest.raises(SystemExit, match=rf"^error: the grid runner \(pid {os.getpid()}\) is working in this"):
             tracking.refuse_beside_runner()
         monkeypatch.setenv(tracking.RUNNER_ENV, str(os.getpid()))  # the runner's own stages pass
@@ -83,7 +86,7 @@ def test_a_corrupt_mlflow_store_is_named_in_one_line_with_the_way_out(repo, monk
     line = tracking.store_problem()
     assert line.startswith(f"the MLflow store {store} is corrupt") and "\n" not in line, line
     assert "results are safe in DVC" in line and "move mlflow.db aside and rerun" in line
-    assert run.main(["--workers", "1"]) == 2  # before any compute
+    assert cli.main(["--workers", "1"]) == 2  # before any compute
     assert capsys.readouterr().err == f"error: {line}\n"
 
 
@@ -123,15 +126,15 @@ def test_a_cell_whose_params_changed_is_left_stale_with_one_line(repo, capsys):
     from ablations.grid import cells
 
     grid = cells(load_params())
-    recorder = run.Recorder({}, every_s=0)
+    recorder = record.Recorder({}, every_s=0)
     recorder.add(grid[0], None)  # params.yaml changed while it ran
     assert recorder.waiting == [] and recorder.stale == [grid[0].stage]
     assert (
         capsys.readouterr().out
         == f"not recorded: {grid[0].stage}: params.yaml changed after it started; it stays stale\n"
     )
-    with pytest.raises(run.RunnerError, match=r"^params.yaml changed while the runner ran: 1 finished cells were left"):
-        run.check_stale(recorder)
+    with pytest.raises(RunnerError, match=r"^params.yaml changed while the runner ran: 1 finished cells were left"):
+        record.check_stale(recorder)
     log = f"{lockfile.REFUSED}{grid[1].stage}: grammar.ppo changed after it started\nsomething else\n"
     assert lockfile.refused(log) == [grid[1].stage]
 

@@ -26,7 +26,7 @@ from rlhf import hf
 from rlhf.model import ScalarModel
 from rlhf.ppo import train_ppo
 from tests.conftest import merged, repo_params
-from tests.pipelines.test_e2e import TINY, make_repo, sh, visible_runs
+from tests.pipelines.tiny import ALL_CELLS, CAL_CELLS, TINY, make_repo, sh, visible_runs
 
 HF_LLAMA = {  # a from-config model: the `model` section of a task in params.yaml
     "backend": "hf",
@@ -160,7 +160,6 @@ def hf_repo(tmp_path_factory):
 
 @pytest.mark.slow
 def test_runner_with_the_hf_backend_leaves_dvc_clean_and_every_cell_in_mlflow(hf_repo):
-    from tests.pipelines.test_e2e import ALL_CELLS, CAL_CELLS
 
     out = sh(hf_repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
     n_cal, n_eval = len(CAL_CELLS), len(ALL_CELLS - CAL_CELLS)

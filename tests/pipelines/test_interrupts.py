@@ -7,7 +7,6 @@ Slow (minutes): run with `make test-all`.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,10 +20,10 @@ import yaml
 
 from ablations.config import load_params
 from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_stages
-from pipelines import lockfile
+from pipelines.runner import lockfile
 from tests.pipelines.fakes import runner_script
-from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
-from tests.pipelines.test_run import alive, children, wait_for, worker_pids
+from tests.pipelines.procs import alive, children, status, wait_for, wait_while_running, worker_pids
+from tests.pipelines.tiny import sh, stage_env, visible_runs
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -43,19 +42,6 @@ def start(root: Path, tmp: Path, fast: int) -> subprocess.Popen:
         stderr=(tmp / "err.txt").open("w"),
         start_new_session=True,
     )
-
-
-def wait_while_running(proc: subprocess.Popen, tmp: Path, condition) -> None:
-    """Waits (up to 10 min) for ``condition``; fails at once, with the runner's output, if the runner ends."""
-
-    def check() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"runner ended ({proc.returncode}):\n{(tmp / 'out.txt').read_text()}\n{(tmp / 'err.txt').read_text()}"
-            )
-        return bool(condition())
-
-    wait_for(check, timeout=600)
 
 
 def grid_stages(root: Path) -> set[str]:
@@ -97,14 +83,10 @@ def runs_tables(root: Path) -> dict[str, bytes]:
     return tables
 
 
-def status(root: Path) -> dict:
-    return json.loads(sh(root, PY, "-m", "dvc", "status", "--json").stdout or "{}")
-
-
-def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):  # noqa: F811
+def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path):
     proc = start(repo, tmp_path, fast=2)  # data, SFT and RM first (real, in the pool), then the calibration wave
     # As soon as the first finished upstream stage is being recorded: Ctrl-C twice.
-    wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.lockfile\0commit"))
+    wait_while_running(proc, tmp_path, lambda: children(proc.pid, b"pipelines.runner.lockfile\0commit"))
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the runner and its workers, not the commit
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
@@ -142,7 +124,7 @@ def test_double_ctrl_c_during_a_commit_then_sigterm_then_a_rerun(repo, tmp_path)
     assert status(repo) == {}
 
 
-def test_sigkill_keeps_recorded_cells_and_the_resumed_results_are_bit_identical(repo, tmp_path):  # noqa: F811
+def test_sigkill_keeps_recorded_cells_and_the_resumed_results_are_bit_identical(repo, tmp_path):
     forget_cells(repo)
     proc = start(repo, tmp_path, fast=3)
     wait_while_running(proc, tmp_path, lambda: len(recorded(repo)) == 3 and len(worker_pids(tmp_path)) == 2)

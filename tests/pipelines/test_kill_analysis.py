@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.pipelines.test_e2e import repo, sh, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
-from tests.pipelines.test_interrupts import status
-from tests.pipelines.test_run import wait_for
+from tests.pipelines.procs import status, wait_for
+from tests.pipelines.tiny import sh, stage_env, visible_runs
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-WORDS = (b"pipelines.analysis", b"pipelines.lockfile\0dvc")
+WORDS = (b"pipelines.analysis", b"pipelines.runner.lockfile\0dvc")
 
 
 def survivors(root: Path) -> list[int]:
@@ -68,7 +67,7 @@ def touch_protocol(root: Path) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 
 
-def test_sigkill_during_the_analysis_leaves_no_process_and_the_rerun_cleans_up(repo, tmp_path):  # noqa: F811
+def test_sigkill_during_the_analysis_leaves_no_process_and_the_rerun_cleans_up(repo, tmp_path):
     sh(repo, PY, "-m", "pipelines.run", "--workers", "2", "--no-analysis")  # the cells, recorded
     touch_protocol(repo)
     kill_during_analysis(repo, tmp_path)

@@ -12,14 +12,14 @@ import pytest
 import yaml
 
 from tests.pipelines.fakes import runner_script
-from tests.pipelines.test_e2e import cell_stages, repo, stage_env, visible_runs  # noqa: F401  (the tiny-grid repository)
-from tests.pipelines.test_interrupts import status, wait_while_running
+from tests.pipelines.procs import status, wait_while_running
+from tests.pipelines.tiny import cell_stages, stage_env, visible_runs
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
 
 
-def test_a_ppo_param_changed_while_the_runner_runs_leaves_the_changed_cells_stale(repo, tmp_path):  # noqa: F811
+def test_a_ppo_param_changed_while_the_runner_runs_leaves_the_changed_cells_stale(repo, tmp_path):
     (tmp_path / "fake").mkdir()
     env = {
         **stage_env(repo),

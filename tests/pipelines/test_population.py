@@ -13,9 +13,8 @@ from ablations.config import Params
 from ablations.grid import calibration_cells
 from pipelines import population
 from tests.conftest import repo_params
-from tests.pipelines.fakes import committed, runner_script
-from tests.pipelines.test_e2e import ALL_CELLS, TINY, make_repo, sh, visible_runs
-from tests.pipelines.test_run import env, workdir  # noqa: F401 (a fixture)
+from tests.pipelines.fakes import committed, env, runner_script
+from tests.pipelines.tiny import ALL_CELLS, TINY, make_repo, sh, visible_runs
 
 PARAMS = Params.model_validate(repo_params(TINY))
 CAL = calibration_cells(PARAMS)
@@ -47,7 +46,7 @@ def test_a_moving_reference_cell_runs_on_its_own():
     assert {c.stage for c in cal if c.arm == "reward_k1"} <= {i.stage for i in items}
 
 
-def test_the_runner_runs_groups_and_records_every_cell(workdir):  # noqa: F811
+def test_the_runner_runs_groups_and_records_every_cell(workdir):
     script = runner_script().replace(
         "from tests.pipelines import fakes; ",
         "from tests.pipelines import fakes; from pipelines import population; "

@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def repo(tmp_path):
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    (tmp_path / "profiles").mkdir()
-    return tmp_path
+def repo(params_copy):
+    (params_copy / "profiles").mkdir()
+    return params_copy
 
 
 def write(repo: Path, name: str, text: str) -> None:

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from tests.pipelines.test_e2e import repo, sh  # noqa: F401  (the tiny-grid repository fixture)
+from tests.pipelines.tiny import sh
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")
 
 
-def test_ray_runner_leaves_dvc_clean(repo):  # noqa: F811
+def test_ray_runner_leaves_dvc_clean(repo):
     out = sh(repo, sys.executable, "-m", "pipelines.run", "--ray-address", "local")
     assert "7 of 7 calibration cells to run on Ray at local" in out.stdout, out.stdout
     assert "18 of 18 grid cells to run on Ray at local" in out.stdout, out.stdout

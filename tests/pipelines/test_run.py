@@ -19,30 +19,14 @@ import yaml
 
 from ablations.config import Params
 from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_chains
-from pipelines import run
+from pipelines.runner import cli, dvccli, mlflow_runs, plan, record, worker
+from pipelines.runner import ray as rayrun
+from pipelines.runner.repo import runner_lock
+from pipelines.runner.signals import RunnerError
 from tests.conftest import REPO, repo_params
-from tests.pipelines.fakes import committed, runner_script
-from tests.pipelines.test_e2e import TINY
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch) -> Path:
-    """A directory that looks like the repository to the runner: params.yaml (the tiny grid) and .dvc/."""
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(repo_params(TINY), sort_keys=False))
-    (tmp_path / ".dvc").mkdir()
-    (tmp_path / "fake").mkdir()
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-def env(workdir: Path, **extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "FAKE_DIR": str(workdir / "fake"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'none.db'}",  # never created: no MLflow work
-        **extra,
-    }
+from tests.pipelines.fakes import committed, env, runner_script
+from tests.pipelines.procs import alive, children, wait_for, worker_pids
+from tests.pipelines.tiny import TINY
 
 
 def start_runner(workdir: Path, **extra: str) -> subprocess.Popen:
@@ -56,38 +40,6 @@ def start_runner(workdir: Path, **extra: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    """A live process (a zombie waiting for its reaper does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def children(pid: int, word: bytes) -> list[int]:
-    """Child processes of ``pid`` whose command line (arguments joined by NUL) contains ``word``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and word in (stat.parent / "cmdline").read_bytes():
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def worker_pids(workdir: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in (workdir / "fake").glob("worker-*")]
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
@@ -144,7 +96,8 @@ def test_double_ctrl_c_during_a_commit_leaves_a_whole_lock_file(workdir):
 
 def test_ctrl_c_while_the_workers_start_ends_with_one_line(workdir):
     proc = start_runner(workdir)
-    wait_for(lambda: children(proc.pid, b"spawn_main"))  # a worker is being started: imports, not yet set up
+    # a worker is being started: imports, not yet set up (after the sweep's MLflow parent run: a new store first)
+    wait_for(lambda: children(proc.pid, b"spawn_main"), timeout=180)
     os.killpg(proc.pid, signal.SIGINT)
     rc, out, err = finish(proc)
     assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
@@ -161,7 +114,7 @@ def test_sigkill_of_the_runner_keeps_recorded_cells_and_takes_the_workers_with_i
 
 
 def test_a_second_runner_is_refused_naming_the_first_ones_pid(workdir, capsys):
-    hold = "\n".join(["import time", "from pipelines.run import runner_lock", "with runner_lock():"]) + (
+    hold = "\n".join(["import time", "from pipelines.runner.repo import runner_lock", "with runner_lock():"]) + (
         "\n    print(1, flush=True)\n    time.sleep(60)"
     )
     holder = subprocess.Popen(
@@ -174,7 +127,7 @@ def test_a_second_runner_is_refused_naming_the_first_ones_pid(workdir, capsys):
     try:
         assert holder.stdout.readline().strip() == "1"
         called = []
-        rc = run.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
+        rc = cli.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
         err = capsys.readouterr().err
         assert rc == 2 and err == (
             f"error: another runner (pid {holder.pid}) is working in this repository; wait for it, or stop it with "
@@ -184,7 +137,7 @@ def test_a_second_runner_is_refused_naming_the_first_ones_pid(workdir, capsys):
     finally:
         holder.kill()
         holder.wait()
-    with run.runner_lock():  # the kernel released the dead holder's lock
+    with runner_lock():  # the kernel released the dead holder's lock
         pass
 
 
@@ -196,10 +149,10 @@ def test_the_interpreter_check_fails_before_any_compute(workdir, monkeypatch, ca
     (workdir / "shell").write_text(f'#!/bin/sh\nPATH="{other}:$PATH"; export PATH\nexec /bin/sh "$@"\n')
     for f in (other / "python", workdir / "shell"):
         f.chmod(0o755)
-    run.check_interpreter(run.stage_env())  # with the user's own shell it passes
+    dvccli.check_interpreter(dvccli.stage_env())  # with the user's own shell it passes
     monkeypatch.setenv("SHELL", str(workdir / "shell"))
     called = []
-    rc = run.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
+    rc = cli.main(["--workers", "1"], run_cell=lambda p, c: called.append(c))
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert "DVC's stage commands would run `python` = /usr/bin/python3 (environment /usr)" in err
@@ -207,13 +160,13 @@ def test_the_interpreter_check_fails_before_any_compute(workdir, monkeypatch, ca
 
 
 def test_stage_env_puts_this_interpreter_first():
-    path = run.stage_env()["PATH"].split(os.pathsep)
+    path = dvccli.stage_env()["PATH"].split(os.pathsep)
     assert path[0] == os.path.dirname(sys.executable)
 
 
 def test_a_failing_dvc_ends_with_one_line_and_no_traceback(workdir, monkeypatch, capsys):
-    monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
-    rc = run.main(["--workers", "1"], run_cell=lambda p, c: None)
+    monkeypatch.setattr(dvccli, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    rc = cli.main(["--workers", "1"], run_cell=lambda p, c: None)
     err = capsys.readouterr().err
     assert rc == 1 and err == "error: `dvc status --json` failed (exit 3); DVC's message is above\n"
 
@@ -225,7 +178,7 @@ def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir,
     leftovers = [
         temp_sibling(workdir / "runs/ppo/reward_k1-0.1-0"),  # atomic_dir of a killed cell
         temp_sibling(workdir / "models/rm.pt"),  # save_checkpoint
-        temp_sibling(workdir / "dvc.lock"),  # pipelines.lockfile
+        temp_sibling(workdir / "dvc.lock"),  # pipelines.runner.lockfile
         workdir / ".reports-tmp-ab12_x9z",  # tempfile.TemporaryDirectory of the analysis stage
     ]
     leftovers[0].mkdir(parents=True)
@@ -245,8 +198,8 @@ def test_leftover_temporary_files_are_removed_at_start_and_nothing_else(workdir,
     assert all(p.exists() for p in keep) and not any(p.exists() for p in leftovers)
     # And the runner does it at start (then stops at the fake `dvc repro`).
     leftovers[1].write_text("x")
-    monkeypatch.setattr(run, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
-    run.main(["--workers", "1"], run_cell=lambda p, c: None)
+    monkeypatch.setattr(dvccli, "DVC", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    cli.main(["--workers", "1"], run_cell=lambda p, c: None)
     assert not leftovers[1].exists() and "removed 1 temporary files" in capsys.readouterr().out
 
 
@@ -292,17 +245,18 @@ def test_a_damaged_checkpoint_fails_naming_the_file(tmp_path):
 def test_a_commit_killed_by_a_signal_is_retried_once_and_then_reported(workdir, monkeypatch, capsys):
     # First call: killed by SIGKILL (as by the OOM killer); second: records.
     script = "import os, pathlib, signal, sys; m = pathlib.Path('tried'); tried = m.exists(); m.touch(); "
-    monkeypatch.setattr(run, "COMMIT", [sys.executable, "-c", script + "tried or os.kill(os.getpid(), signal.SIGKILL)"])
-    (workdir / run.STATE).mkdir(parents=True)
-    recorder = run.Recorder(run.stage_env(), every_s=0)
+    kill = "tried or os.kill(os.getpid(), signal.SIGKILL)"
+    monkeypatch.setattr(dvccli, "COMMIT", [sys.executable, "-c", script + kill])
+    (workdir / dvccli.STATE).mkdir(parents=True)
+    recorder = record.Recorder(dvccli.stage_env(), every_s=0)
     for cell in GRID[:2]:
         recorder.add(cell, "")
     recorder.finish()
     assert recorder.recorded == GRID[:2] and "recorded 2 more finished cells" in capsys.readouterr().out
     # Killed again: reported in one line, with the signal.
-    monkeypatch.setattr(run, "COMMIT", [sys.executable, "-c", script + "os.kill(os.getpid(), signal.SIGKILL)"])
+    monkeypatch.setattr(dvccli, "COMMIT", [sys.executable, "-c", script + "os.kill(os.getpid(), signal.SIGKILL)"])
     recorder.add(GRID[2], "")
-    with pytest.raises(run.RunnerError, match=r"^recording 1 finished cells in dvc.lock failed: killed by SIGKILL$"):
+    with pytest.raises(RunnerError, match=r"^recording 1 finished cells in dvc.lock failed: killed by SIGKILL$"):
         recorder.finish()
 
 
@@ -381,9 +335,9 @@ def test_each_worker_keeps_its_gpu_and_n_workers_per_gpu_run_n_cells_on_it_at_on
 def test_placement_flags_that_make_no_sense_are_refused_in_one_line_before_anything_runs(
     workdir, monkeypatch, capsys, gpus, argv, message
 ):
-    monkeypatch.setattr(run, "visible_gpus", lambda: list(gpus))
+    monkeypatch.setattr(plan, "visible_gpus", lambda: list(gpus))
     called = []
-    rc = run.main(argv, run_cell=lambda p, c: called.append(c))
+    rc = cli.main(argv, run_cell=lambda p, c: called.append(c))
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not called and not (workdir / ".dvc/tmp").exists()  # refused before the runner lock and DVC
@@ -395,7 +349,7 @@ def placement_of(visible: list[str], *argv: str) -> tuple[int, list[str] | None]
     for flag, value in flags.items():
         key = flag.removeprefix("--").replace("-", "_")
         ap_args[key] = value if key in ("gpus", "ray_address") else int(value)
-    return run.placement(argparse.Namespace(**ap_args), visible)
+    return plan.placement(argparse.Namespace(**ap_args), visible)
 
 
 def test_placement_spreads_workers_evenly_over_the_gpus():
@@ -413,19 +367,19 @@ def test_visible_gpus_are_the_runners_cuda_visible_devices_entries(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert run.visible_gpus() == ["0", "1"]
+    assert plan.visible_gpus() == ["0", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa, GPU-bb,7")  # CUDA stops at what it cannot use: 2 here
-    assert run.visible_gpus() == ["GPU-aa", "GPU-bb"]
+    assert plan.visible_gpus() == ["GPU-aa", "GPU-bb"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert run.visible_gpus() == []
+    assert plan.visible_gpus() == []
 
 
 def test_ray_cells_ask_for_their_threads_and_a_share_of_a_gpu():
-    assert run.ray_resources(0, None, 1) == {"num_cpus": 1, "num_gpus": 0}
-    assert run.ray_resources(8, None, 2) == {"num_cpus": 2, "num_gpus": 1.0}
-    assert run.ray_resources(8, 4, 1) == {"num_cpus": 1, "num_gpus": 0.25}
-    with pytest.raises(run.RunnerError, match=r"^--workers-per-gpu 2: the Ray cluster has no GPUs$"):
-        run.ray_resources(0, 2, 1)
+    assert rayrun.ray_resources(0, None, 1) == {"num_cpus": 1, "num_gpus": 0}
+    assert rayrun.ray_resources(8, None, 2) == {"num_cpus": 2, "num_gpus": 1.0}
+    assert rayrun.ray_resources(8, 4, 1) == {"num_cpus": 1, "num_gpus": 0.25}
+    with pytest.raises(RunnerError, match=r"^--workers-per-gpu 2: the Ray cluster has no GPUs$"):
+        rayrun.ray_resources(0, 2, 1)
 
 
 CHAINS = upstream_chains(PARAMS)  # grammar: calibration instance 0, then evaluation instances 10, 11
@@ -462,7 +416,7 @@ def test_upstream_chains_match_dvc_yaml():
         if task == "arithmetic" and kind == "rm":
             assert "arithmetic_rm" not in stages and "arithmetic_calibration_rm" not in stages
             continue
-        # run.upstream_stage runs pipelines.<kind>.main([task, instance]) for both stage groups
+        # worker.upstream_stage runs pipelines.<kind>.main([task, instance]) for both stage groups
         cmd = f"python -m pipelines.{kind} {task} ${{item.instance}}"
         assert stages[f"{task}_{kind}"]["cmd"] == stages[f"{task}_calibration_{kind}"]["cmd"] == cmd
         assert stages[f"{task}_calibration_{kind}"]["matrix"] == {"instance": f"${{{task}.calibration.instances}}"}
@@ -566,9 +520,9 @@ def test_an_upstream_stage_of_a_calibration_instance_runs_its_tasks_module(monke
     import pipelines.sft
 
     calls = []
-    monkeypatch.setattr(run, "_mlflow_ready", lambda experiment: None)
+    monkeypatch.setattr(mlflow_runs, "ready", lambda experiment: None)
     monkeypatch.setattr(pipelines.sft, "main", lambda argv: calls.append(("sft", argv)))
     monkeypatch.setattr(pipelines.rm, "main", lambda argv: calls.append(("rm", argv)))
-    run.upstream_stage(PARAMS, run.Upstream("grammar_calibration_sft@0", ("grammar_calibration_rm@0",)))
-    run.upstream_stage(PARAMS, run.Upstream("grammar_rm@10"))
+    worker.upstream_stage(PARAMS, plan.Upstream("grammar_calibration_sft@0", ("grammar_calibration_rm@0",)))
+    worker.upstream_stage(PARAMS, plan.Upstream("grammar_rm@10"))
     assert calls == [("sft", ["grammar", "0"]), ("rm", ["grammar", "10"])]

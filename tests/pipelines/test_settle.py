@@ -17,13 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch) -> Path:
+def repo(params_copy) -> Path:
     """A directory with the repository's params.yaml, its evaluation instances reset to the first batch (grammar and
     arithmetic: 100-103, batches of 4; the repository's own may have more after `make settle`), as cwd."""
     text = re.sub(r"(?m)^(  instances: )\[[0-9, ]+\]", r"\1[100, 101, 102, 103]", (ROOT / "params.yaml").read_text())
-    (tmp_path / "params.yaml").write_text(text)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    (params_copy / "params.yaml").write_text(text)
+    return params_copy
 
 
 def write_stats(root: Path, task: str, statuses: dict[str, str]) -> None:

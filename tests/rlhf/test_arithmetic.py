@@ -11,17 +11,7 @@ from rlhf.arithmetic import DIGIT0, EQUALS, MINUS, PLUS, Arithmetic
 from rlhf.model import TinyLM, generate
 from rlhf.sft import train_sft
 from rlhf.task import BOS, EOS, response_mask
-
-FIELDS = dict(
-    n_digits=3,
-    max_new_tokens=5,
-    carry_drop=0.4,
-    sub_fraction=0.5,
-    eval_fraction=0.1,
-    rl_fraction=0.3,
-    split_seed=0,
-    format_penalty=0.0,
-)
+from tests.conftest import ARITHMETIC as FIELDS
 
 
 def make(**overrides) -> Arithmetic:

@@ -18,9 +18,9 @@ from rlhf.model import TinyLM, generate
 from rlhf.ppo import train_ppo
 from rlhf.sft import train_sft
 from rlhf.task import EOS, preference_pairs, sample_prompts, sample_responses
+from tests.conftest import ARITHMETIC as FIELDS
 
 from ..conftest import small_ppo_config, tiny_lm
-from .test_arithmetic import FIELDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = torch.device("cuda")

@@ -1,15 +1,24 @@
-"""dvc.lock kept whole: DVC with atomic file writes, a one-pass commit of named stages, and a last good copy.
+"""dvc.lock kept whole, and the one module of the runner that uses DVC's internals (everything else calls DVC's
+command line through ``main`` here).
 
 DVC rewrites dvc.lock in place (``open(path, "w+")`` then a YAML dump: ``_dump_data`` in
 dvc/utils/serialize/_common.py, DVC 3.x), so a process killed or interrupted during the write leaves it empty or
 cut, and every later DVC command fails until it is restored from git (issue 9). Every DVC call of the runner
-(pipelines/run.py) goes through this module, which makes DVC write such files to a temporary sibling and rename it
+(pipelines/runner) goes through this module, which makes DVC write such files to a temporary sibling and rename it
 into place (POSIX ``rename`` is atomic: a reader sees the old file or the new one). The runner also keeps a copy of
 the last dvc.lock it saw whole and restores it at start if something else (a plain ``dvc repro`` killed at the
 wrong moment) broke the file.
 
-    python -m pipelines.lockfile dvc ARGS...        # DVC's command line, with atomic writes
-    python -m pipelines.lockfile commit [--ran-with=FILE] STAGE...   # `dvc commit --force STAGE...`, one pass
+DVC internals used here, each because DVC has no public API for it:
+- ``dvc.utils.serialize.*._dump_data`` (replaced, ``patch_dvc``): DVC offers no hook or option for atomic writes.
+- ``dvc.stage.run._make_cmd`` and ``dvc.utils.fix_env`` (``shell_probe``): how DVC turns a stage's ``cmd`` into a
+  process; the runner must resolve ``python`` exactly as DVC will before anything runs.
+- ``Repo.index.stages``, ``stage.save``/``commit``, ``dvcfile.dump_stages`` (``commit``): what ``dvc commit --force``
+  does, but collecting the pipeline once for many stages and refusing stages whose params changed.
+- ``dvc.schema.COMPILED_LOCKFILE_SCHEMA`` with ``dvc.utils.strictyaml`` (``problem``): DVC's own lock-file check.
+
+    python -m pipelines.runner.lockfile dvc ARGS...        # DVC's command line, with atomic writes
+    python -m pipelines.runner.lockfile commit [--ran-with=FILE] STAGE...   # `dvc commit --force STAGE...`, one pass
 """
 
 from __future__ import annotations
@@ -65,6 +74,15 @@ def patch_dvc() -> None:
         _ORIGINAL_DUMP = _common._dump_data
     for module in (_common, _json, _py, _toml, _yaml):
         module._dump_data = _atomic_dump_data
+
+
+def shell_probe(env: dict[str, str], command: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) with which DVC would run a stage whose ``cmd`` is ``command``: the user's $SHELL with
+    DVC's flags (dvc/stage/run.py ``_make_cmd``) and DVC's environment fix-ups (dvc/utils ``fix_env``)."""
+    from dvc.stage.run import _make_cmd
+    from dvc.utils import fix_env
+
+    return _make_cmd(env.get("SHELL") or "/bin/sh", command), fix_env(env)
 
 
 REFUSED = "not recorded: "  # commit's stdout line for a stage whose params changed after it ran

@@ -1,0 +1,144 @@
+"""The tiny grid of the end-to-end tests: its params, its stage names, and a git + DVC repository that runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import repo_params
+from tests.helpers import copy_code
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+TINY = {
+    "grammar": {
+        "instances": [10, 11],  # evaluation instances: one batch of analysis.sequential.batch_size
+        "calibration": {"instances": [0], "coefs": [0.03, 0.1, 0.3]},  # disjoint from the evaluation instances
+        "coefs": [],
+        "kl_targets": [],
+        "task": {
+            "n_words": 8,
+            "n_successors": 3,
+            "max_new_tokens": 6,
+            "n_demos": 700,
+            "n_train_prompts": 64,
+            "n_eval_prompts": 32,
+        },
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+        "sft": {"steps": 30, "batch_size": 32, "n_heldout": 100},
+        "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 20, "batch_size": 16},
+        # lr 0.01: the no-KL runs gain gold within 4 iterations (the calibration needs a gain to scale margins by)
+        "ppo": {"iterations": 4, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 1, "lr": 0.01},
+    },
+    "grid": {
+        "arms": {
+            "reward_k1": {"target": "reference", "placement": "reward", "estimator": "k1"},
+            "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"},
+            "reward_k3": {"target": "reference", "placement": "reward", "estimator": "k3"},
+            "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
+        },
+        "seeds": [0],
+        "matched": {"init_coef": 0.1, "horizon": 100},
+        "calibration_arms": ["reward_k1", "loss_k3"],
+    },
+    # At this size arithmetic's no-KL runs gain no accuracy, so its calibration would refuse (no margin scale): it
+    # does not run here (tests/ablations cover its protocol; test_hf_pipeline runs its stages).
+    "arithmetic": {"instances": [], "calibration": {"instances": []}, "coefs": [], "kl_targets": []},
+    "analysis": {"reference_arm": "reward_k1", "sequential": {"batch_size": 2, "cap": 4}},
+    "mlflow": {"experiment": "e2e"},
+}
+
+
+ARMS = ("reward_k1", "loss_k1", "reward_k3", "loss_k3")
+
+
+CAL_ARMS = ("reward_k1", "loss_k3")
+
+
+DESIGN = tuple(repo_params(TINY)["grid"]["design"])  # params.yaml's design: 8 cells per instance
+
+
+def calibration_stages(instances=(0,), task="grammar") -> set[str]:
+    out = set()
+    for i in instances:
+        out |= {f"{task}_calibration_baseline@{i}-0"}
+        out |= {f"{task}_calibration@{i}-{a}-{c}-0" for a in CAL_ARMS for c in (0.03, 0.1, 0.3)}
+    return out
+
+
+def cell_stages(instances=(10, 11), task="grammar") -> set[str]:
+    """The evaluation cells of these instances: the no-KL baseline and every design cell."""
+    out = set()
+    for i in instances:
+        out |= {f"{task}_baseline@{i}-0"} | {f"{task}_design@{i}-{d}-0" for d in DESIGN}
+    return out
+
+
+CAL_CELLS = calibration_stages()  # 7
+
+
+ALL_CELLS = CAL_CELLS | cell_stages()  # 7 + 18
+
+
+def stage_env(repo: Path) -> dict:
+    """DVC runs stage commands as `python ...`: put this interpreter first on PATH."""
+    return {
+        **os.environ,
+        "TQDM_DISABLE": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def sh(repo: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = stage_env(repo)
+    out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    if check and out.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def write_params(repo: Path, params: dict) -> None:
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def visible_runs(repo: Path, experiment: str = "e2e") -> dict[str, list]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    runs: dict[str, list] = {}
+    for r in client.search_runs([exp.experiment_id], max_results=1000):
+        runs.setdefault(r.data.tags["dvc_stage"], []).append(r)
+    return runs
+
+
+def drop_idle_tasks(repo: Path, params: dict) -> None:
+    """Removes from ``repo``'s dvc.yaml the stages of every task with no instances. Needed because dvc.yaml's
+    ``<task>_calibrate`` and ``<task>_analysis`` are plain (not matrix) stages: they exist even for a task that does
+    not run, and a plain `dvc repro` then fails on their missing inputs (runs/<task>/calibration_baseline)."""
+    from ablations.config import TASKS
+
+    idle = [t for t in TASKS if not params[t]["instances"]]
+    if not idle:
+        return
+    doc = yaml.safe_load((repo / "dvc.yaml").read_text())  # merge keys resolved
+    doc["stages"] = {k: v for k, v in doc["stages"].items() if not k.startswith(tuple(f"{t}_" for t in idle))}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=4096))
+
+
+def make_repo(repo: Path, params: dict) -> Path:
+    """A git + DVC repository in ``repo`` with this one's code (rlhf, ablations, pipelines, dvc.yaml) and ``params``."""
+    code = ("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")
+    copy_code(repo, code, names=("dvc.yaml", ".gitignore"))
+    write_params(repo, params)
+    drop_idle_tasks(repo, params)
+    sh(repo, "git", "init", "-q")
+    sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")
+    sh(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    return repo

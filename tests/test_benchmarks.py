@@ -1,0 +1,62 @@
+"""Every benchmark script runs: one tiny iteration each, in a copy of the project with toy sizes in params.yaml (so
+that nothing of this checkout is written). A script that does not fit a fast test is marked slow, with why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import repo_params
+from tests.helpers import REPO, copy_code, copy_params
+
+TOY_GRAMMAR = {
+    "task": {"n_words": 8, "n_successors": 3, "max_new_tokens": 6, "n_demos": 700},
+    "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+    "sft": {"steps": 2, "batch_size": 16, "n_heldout": 100},
+    "rm": {"n_pairs": 64, "n_heldout_pairs": 32, "steps": 2, "batch_size": 16},
+    "ppo": {"iterations": 4, "batch_size": 8, "minibatch_size": 4, "epochs": 1, "eval_every": 2},
+}
+TOY_GRAMMAR["task"] |= {"n_train_prompts": 64, "n_eval_prompts": 32}
+# script: its smoke arguments (each script's own flags)
+SMOKE = {
+    "arithmetic_calibration.py": ["--smoke", "--seeds", "0", "--runs", "loss_k3@0.3", "--out", "arithmetic.json"],
+    "bench_algorithms.py": ["--iterations", "3", "--repeats", "1", "--group-size", "2"],
+    "bench_backends.py": ["--repeats", "1", "--backends", "tiny"],
+    "bench_gpu.py": ["--device", "cpu", "--backends", "tiny", "--workers", "1", "--iterations", "1"],
+    "bench_ppo.py": ["--repeats", "1", "--iterations", "4", "--d-model", "8", "--baseline", "HEAD"],
+    "bench_workers.py": ["--cells", "1", "--repeats", "1", "--workers", "1"],
+    "cross_machine.py": ["--smoke"],
+    "diagnostics_table.py": ["--warmup", "1", "--n-true", "16", "--n-minibatches", "2"],
+    "no_kl_baselines.py": ["grammar", "0"],
+    "overoptimisation.py": ["--seeds", "0"],
+}
+# bench_workers runs the grid runner (DVC, MLflow, the upstream stages) twice: minutes, not seconds
+SLOW = {"bench_workers.py"}
+
+
+def test_every_benchmark_script_has_smoke_arguments():
+    assert {p.name for p in (REPO / "benchmarks").glob("*.py")} == set(SMOKE)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A git repository with this checkout's code and toy sizes (bench_ppo's baseline is its HEAD)."""
+    root = copy_params(tmp_path_factory.mktemp("bench"), repo_params({"grammar": TOY_GRAMMAR}))
+    copy_code(root)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "toy"]):
+        subprocess.run(git + cmd, cwd=root, check=True, capture_output=True)
+    return root
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] * (s in SLOW)) for s in sorted(SMOKE)])
+def test_benchmark_script_runs_one_tiny_iteration(project, script):
+    env = {**os.environ, "PYTHONPATH": str(project), "TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{project / 'mlflow.db'}"
+    cmd = [sys.executable, str(project / "benchmarks" / script), *SMOKE[script]]
+    out = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{script}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
