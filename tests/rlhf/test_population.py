@@ -4,10 +4,6 @@ coefficients and seeds, bit for bit; and how close a population of 1 is to ``rlh
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,7 @@ import torch
 from rlhf.population import CellInputs, train_population
 from rlhf.ppo import train_ppo
 
-from ..conftest import REPO, small_ppo_config
+from ..conftest import small_ppo_config
 
 ARMS = {  # algorithm and KL structure: one population each
     "ppo-reward-k1": dict(kl={"placement": "reward", "estimator": "k1"}),
@@ -78,14 +74,3 @@ def test_what_a_population_cannot_train_is_refused_in_one_line(ppo_setup):
     hf = c._replace(ref=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="tiny backend only"):
         train_population([hf])
-
-
-@pytest.mark.slow
-def test_the_population_benchmark_smoke_runs_on_cpu(tmp_path):
-    """benchmarks/bench_population.py --smoke (about 30 s: it builds grammar instance 0 of params.yaml)."""
-    out = tmp_path / "population.json"
-    script = REPO / "benchmarks/bench_population.py"
-    cmd = [sys.executable, str(script), "--device", "cpu", "--smoke", "--out", str(out)]
-    subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True)
-    report = json.loads(out.read_text())
-    assert [r["population"] for r in report["runs"]] == [1, 2] and report["single"]["cells_per_hour"] > 0
