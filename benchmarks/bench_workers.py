@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
+    missing = [d for d in ("data", "models", "runs") if not Path(d).is_dir()]
+    if missing:  # the scratch copy reuses a finished pipeline's outputs
+        sys.exit(f"bench_workers: no {', '.join(missing)}/ here: run `make repro` first (it reuses its outputs)")
     todo = [c for c in cells(load_params()) if c.arm != "none"][: args.cells]
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
