@@ -116,15 +116,26 @@ def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
     return Loaded(cell, cfg, data, task, ref, reward_model)
 
 
+def diagnostic_metrics(rows: list[dict]) -> dict[str, list[dict]]:
+    """Gradient-diagnostic rows (rlhf.diagnostics) grouped into MLflow metric prefixes: ``diagnostics/<regime>/``
+    against the frozen reference, ``diagnostics/<regime>_own/`` against the arm's own target (the report's regimes,
+    ablations.diagnostics.own_regimes); the labels ``regime`` and ``against`` are the prefix, not metrics."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        own = "_own" if r.get("against") == "own" else ""
+        metrics = {k: v for k, v in r.items() if k not in ("regime", "against")}
+        groups.setdefault(f"diagnostics/{r['regime']}{own}/", []).append(metrics)
+    return groups
+
+
 def write_outputs(cell: Cell, axes: dict, out: dict, wall_s: float, client, rid) -> dict:
     """Logs a finished cell's ``train_ppo`` output ``out`` to its MLflow run and writes its outputs atomically;
     returns its summary (summary.json's content)."""
     summary = {"stage": cell.stage, **axes, "config": cell.config.model_dump(mode="json"), **out["summary"]}
     tracking.log_metrics(client, rid, out["history"], prefix="train/")
     tracking.log_metrics(client, rid, out["evals"], prefix="eval/")
-    for regime in dict.fromkeys(r["regime"] for r in out["diagnostics"]):  # gradient diagnostics, if any
-        rows = [{k: v for k, v in r.items() if k != "regime"} for r in out["diagnostics"] if r["regime"] == regime]
-        tracking.log_metrics(client, rid, rows, prefix=f"diagnostics/{regime}/")
+    for prefix, rows in diagnostic_metrics(out["diagnostics"]).items():  # gradient diagnostics, if any
+        tracking.log_metrics(client, rid, rows, prefix=prefix)
     final = {k: v for k, v in summary.items() if k.startswith(("final_", "peak_"))}
     tracking.log_final(client, rid, {**final, "wall_s": wall_s})
     with atomic_dir(cell.out_dir) as tmp:
