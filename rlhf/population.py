@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -53,7 +54,7 @@ from rlhf import kl as K
 from rlhf.algorithms import ALGORITHMS
 from rlhf.config import PPOConfig
 from rlhf.evaluate import response_stats
-from rlhf.model import ScalarModel, TinyLM, adam, response_logits
+from rlhf.model import ScalarModel, TinyLM, adam, full_precision, response_logits
 from rlhf.ppo import (
     check_finite,
     draw_prompts,
@@ -97,6 +98,19 @@ class Models(nn.Module):
         return fn(self, *args)
 
 
+def is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is an ``rlhf.hf.HFLM`` (without importing ``transformers`` for a TinyLM population)."""
+    hf = sys.modules.get("rlhf.hf")
+    return hf is not None and isinstance(model, hf.HFLM)
+
+
+def hf_config(model: nn.Module) -> dict | None:
+    """An HFLM's architecture config (without where it was loaded from), None for a TinyLM."""
+    if not is_hf(model):
+        return None
+    return {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+
+
 def structure(cfg: PPOConfig) -> dict:
     """What the cells of one population share: the config without seed and KL strength."""
     kl = cfg.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
@@ -113,22 +127,38 @@ def refused(cfg: PPOConfig) -> str | None:
     return None
 
 
+AUTOCAST_REFUSED = (
+    "population: hf models under bf16 autocast (rlhf.hf.set_autocast) run one cell per process: inside "
+    "torch.func.vmap torch.autocast casts some ops and not others (F.linear with per-cell weights stays float32), so "
+    "Llama's attention fails (scaled_dot_product_attention: 'Expected query, key, and value to have the same dtype') "
+    "and GPT-2 would not run at train_ppo's precision"
+)
+
+
 def check_cells(cells: list[CellInputs]) -> None:
     """ValueError (one line) for a population this module cannot train, or cells that differ in structure."""
     if not cells:
         raise ValueError("a population needs at least one cell")
     first = cells[0]
     for c in cells:
-        if not isinstance(c.ref, TinyLM):
-            raise ValueError(f"population: the tiny backend only (TinyLM), not {type(c.ref).__name__} (hf backend)")
+        if not (isinstance(c.ref, TinyLM) or is_hf(c.ref)):
+            raise ValueError(f"population: TinyLM or rlhf.hf.HFLM models only, not {type(c.ref).__name__}")
         if refused(c.cfg):
             raise ValueError(refused(c.cfg))
+        if any(
+            getattr(m, "autocast_dtype", None) is not None
+            for x in (c.ref, c.reward_model, c.policy)
+            if x is not None
+            for m in x.modules()
+        ):
+            raise ValueError(AUTOCAST_REFUSED)
         if (c.task.reward == "learned") != (c.reward_model is not None):
             raise ValueError(f"population: a task with a {c.task.reward!r} reward needs a reward model iff learned")
         if structure(c.cfg) != structure(first.cfg):
             raise ValueError("population: cells must share their config except seed and KL coefficient")
         shapes = lambda x: {k: v.shape for k, v in x.state_dict().items()}
         same = shapes(c.ref) == shapes(first.ref) and c.task.max_new_tokens == first.task.max_new_tokens
+        same = same and hf_config(c.ref) == hf_config(first.ref)  # the template runs the first cell's config
         sets = lambda x: {k: v.shape[1:] for k, v in x.eval_sets.items()}
         same = same and c.train_prompts.shape[1:] == first.train_prompts.shape[1:] and sets(c) == sets(first)
         if not same or (c.reward_model is None) != (first.reward_model is None):
@@ -232,6 +262,8 @@ class Population:
 def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
     """``rlhf.model.generate`` for every cell: prompts (B, b, p) -> responses (B, b, T), the forward passes
     (KV cache (B, b, h, s, d/h) per layer) batched over cells, each cell's tokens drawn with its own generator."""
+    if is_hf(pop.template.policy):
+        return generate_cells_uncached(pop, prompts, max_new_tokens, temperature, gens)
     B, b, p = prompts.shape
     h, cache = pop.call(lambda m, x: m.policy.hidden(x))(prompts)  # (B, b, p, d)
     head = pop.call(lambda m, x: m.policy.head(x[:, -1]))
@@ -251,6 +283,27 @@ def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: f
     return out
 
 
+@torch.no_grad()
+def generate_cells_uncached(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
+    """``generate_cells`` for ``rlhf.hf.HFLM`` policies, without a KV cache: a ``transformers`` cache object cannot
+    leave a vmapped call, so every step runs the whole sequence so far (prompt + sampled tokens) teacher-forced and
+    samples from the last position. The same draws from each cell's generator in the same order; the logits equal
+    the cached ones up to float rounding (another kernel path), so the tokens are the population's own."""
+    B, b, _ = prompts.shape
+    last = pop.call(lambda m, x: m.policy.head(m.policy.hidden(x, use_cache=False)[0][:, -1]))  # (B, b, V)
+    seq = prompts
+    out = torch.empty(B, b, max_new_tokens, dtype=torch.long, device=prompts.device)
+    done = torch.zeros(B, b, dtype=torch.bool, device=prompts.device)
+    for t in range(max_new_tokens):
+        probs = F.softmax(last(seq) / temperature, dim=-1)  # (B, b, V)
+        nxt = torch.stack([torch.multinomial(pr, 1, generator=g).squeeze(1) for pr, g in zip(probs, gens)])  # (B, b)
+        nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
+        out[:, :, t] = nxt
+        done |= nxt == EOS
+        seq = torch.cat([seq, nxt[:, :, None]], dim=2)  # (B, b, p + t + 1)
+    return out
+
+
 def per_cell(fn: Callable, *xs) -> list[float]:
     """fn reduced over each cell's own dims (vmap over the leading dim) -> B Python floats."""
     return vmap(fn)(*xs).tolist()
@@ -265,7 +318,8 @@ def evaluate_cells(pop: Population, it: int) -> list[dict]:
         gens = [torch.Generator(device=prompts.device).manual_seed(c.cfg.eval_seed) for c in pop.cells]
         responses = generate_cells(pop, prompts, pop.cells[0].task.max_new_tokens, cfg.temperature, gens)
         both = lambda m, x, y: [response_logits(mod, x, y, cfg.temperature) for mod in (m.policy, m.ref)]
-        logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
+        with full_precision(pop.template.policy, pop.template.ref):  # fp32 under bf16 autocast, as ``evaluate``
+            logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
         proxy = (
             None
             if pop.cells[0].reward_model is None
