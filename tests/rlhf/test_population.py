@@ -86,7 +86,16 @@ def test_a_population_of_one_matches_train_ppo_to_float_rounding(ppo_setup):
     """Not bit for bit: vmapped kernels (batched matmuls, per-cell reductions, the batched LayerNorm backward)
     round the last bits differently, so population results are a re-baseline of ``train_ppo``'s; the tiny
     2-iteration run stays within 1e-4 (parameters) and 1e-4 relative (every recorded number)."""
-    c = cell(ppo_setup, "ppo-reward-k1", 0.1, 3)
+    matches_train_ppo(cell(ppo_setup, "ppo-reward-k1", 0.1, 3))
+
+
+def test_an_hf_population_of_one_matches_train_ppo_to_float_rounding(ppo_setup, hf_models):
+    """As on the tiny backend, though the population samples without a KV cache and ``train_ppo`` with one: the
+    logits differ in the last bits only, the same tokens are drawn."""
+    matches_train_ppo(cell(ppo_setup, "ppo-reward-k1", 0.1, 3, hf_models))
+
+
+def matches_train_ppo(c: CellInputs) -> None:
     policy = copy.deepcopy(c.policy)
     ref = train_ppo(policy, c.ref, c.reward_model, c.task, c.train_prompts, c.eval_sets, c.cfg)
     pop = train_population([c])[0]
