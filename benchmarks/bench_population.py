@@ -19,8 +19,7 @@ seconds / B) (> 1: the population is faster per cell). ``--max-doubling`` (defau
 the last size until the device runs out of memory (or B = 8192): the largest B that fit is reported. The
 population's cell 0 is the single cell: ``vs_single`` holds |difference| of its final gold and KL (float rounding,
 amplified by training; ``rlhf.population``'s docstring). Results: stdout and benchmarks/out/population.json
-(git-ignored), one entry of "backends" per backend. An hf population generates without a KV cache
-(``rlhf.population.generate_cells_uncached``), ``single`` with one.
+(git-ignored), one entry of "backends" per backend.
 """
 
 from __future__ import annotations

@@ -143,21 +143,12 @@ class HFLM(nn.Module):
             )
         return out.last_hidden_state.float(), out.past_key_values  # (b, s, d) fp32: head and losses in fp32
 
-    def hidden(
-        self,
-        tokens: torch.Tensor,
-        cache=None,
-        start: int = 0,
-        attention_mask: torch.Tensor | None = None,
-        use_cache: bool = True,
-    ):
+    def hidden(self, tokens: torch.Tensor, cache=None, start: int = 0, attention_mask: torch.Tensor | None = None):
         """tokens (b, s) at positions start..start+s-1 -> hidden (b, s, d) fp32 and the updated ``DynamicCache``.
 
         ``attention_mask`` (b, past + s), 1 for tokens and 0 for left padding, covers the cached positions too
-        (the ``transformers`` convention); with it, ``start`` is ignored and positions come from the mask.
-        ``use_cache=False``: no cache is built (None is returned for it), as ``forward`` runs; ``rlhf.population``
-        generates so under ``torch.func.vmap``, which cannot carry a ``DynamicCache`` out of a cell."""
-        return self._run(tokens, cache, start, attention_mask, use_cache=use_cache)
+        (the ``transformers`` convention); with it, ``start`` is ignored and positions come from the mask."""
+        return self._run(tokens, cache, start, attention_mask, use_cache=True)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (b, s) -> logits (b, s, V_task) fp32; logits[:, i] predict tokens[:, i + 1]."""

@@ -26,11 +26,17 @@ cell, no vmap) it is not bit-identical: batched kernels (per-cell reductions, th
 the last float bits differently, and training amplifies that: population results are a re-baseline of the cells
 they run (benchmarks/bench_population.py measures the final gold and KL difference).
 
-Coverage: the tiny backend (``rlhf.model.TinyLM``); every algorithm (ppo with its critic, grpo, rloo,
-reinforce_pp), every placement and estimator, fixed or adaptive coefficient, every policy-loss option. Refused
-with a ValueError: the hf backend (``rlhf.hf.HFLM``; not attempted: teacher-forced passes would go through
-``functional_call`` as TinyLM's do, but its generation keeps a transformers cache object, which vmap has not been
-tried on), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side KL
+Coverage: the tiny backend (``rlhf.model.TinyLM``) and the hf backend (``rlhf.hf.HFLM``, both families of
+``rlhf.hf``: Llama and GPT-2, fp32); every algorithm (ppo with its critic, grpo, rloo, reinforce_pp), every placement
+and estimator, fixed or adaptive coefficient, every policy-loss option. On the hf backend the teacher-forced passes
+go through ``functional_call`` over the stacked ``transformers`` weights as TinyLM's do, and generation keeps its KV
+cache as (keys, values) tensors per layer between vmapped calls (``policy_hidden``: vmap carries tensors, not a
+``DynamicCache``, which is rebuilt from them inside each call). Refused with a
+ValueError: hf models under bf16 autocast (``AUTOCAST_REFUSED``: with torch 2.13.0 and transformers 5.23.0, inside
+``vmap`` ``torch.autocast`` casts a matmul but not ``F.linear`` with per-cell weights, so Llama's attention stops in
+``scaled_dot_product_attention`` with "RuntimeError: Expected query, key, and value to have the same dtype, but got
+query.dtype: float key.dtype: float and value.dtype: c10::BFloat16 instead." and GPT-2 would run at another precision
+than ``train_ppo``), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side KL
 (``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics: they run one cell per process, as today.
 """
 
@@ -258,14 +264,23 @@ class Population:
         return len(self.cells)
 
 
+def policy_hidden(m: Models, x: torch.Tensor, cache=None, start: int = 0):
+    """``m.policy.hidden`` with the KV cache as [(keys, values)] per layer, tensors that vmap carries in and out of
+    a call (a TinyLM's own cache; an HFLM's ``transformers`` ``DynamicCache`` is rebuilt from them and taken apart)."""
+    if not is_hf(m.policy):
+        return m.policy.hidden(x, cache, start=start)
+    from transformers import DynamicCache
+
+    h, cache = m.policy.hidden(x, None if cache is None else DynamicCache(cache), start=start)
+    return h, [(layer.keys, layer.values) for layer in cache.layers]
+
+
 @torch.no_grad()
 def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
     """``rlhf.model.generate`` for every cell: prompts (B, b, p) -> responses (B, b, T), the forward passes
     (KV cache (B, b, h, s, d/h) per layer) batched over cells, each cell's tokens drawn with its own generator."""
-    if is_hf(pop.template.policy):
-        return generate_cells_uncached(pop, prompts, max_new_tokens, temperature, gens)
     B, b, p = prompts.shape
-    h, cache = pop.call(lambda m, x: m.policy.hidden(x))(prompts)  # (B, b, p, d)
+    h, cache = pop.call(lambda m, x: policy_hidden(m, x))(prompts)  # (B, b, p, d)
     head = pop.call(lambda m, x: m.policy.head(x[:, -1]))
     logits = head(h)  # (B, b, V)
     out = torch.empty(B, b, max_new_tokens, dtype=torch.long, device=prompts.device)
@@ -277,30 +292,9 @@ def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: f
         out[:, :, t] = nxt
         done |= nxt == EOS
         if t + 1 < max_new_tokens:
-            step = lambda m, x, c, start=p + t: m.policy.hidden(x[:, None], c, start=start)
+            step = lambda m, x, c, start=p + t: policy_hidden(m, x[:, None], c, start)
             h, cache = pop.call(step)(nxt, cache)
             logits = head(h)
-    return out
-
-
-@torch.no_grad()
-def generate_cells_uncached(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
-    """``generate_cells`` for ``rlhf.hf.HFLM`` policies, without a KV cache: a ``transformers`` cache object cannot
-    leave a vmapped call, so every step runs the whole sequence so far (prompt + sampled tokens) teacher-forced and
-    samples from the last position. The same draws from each cell's generator in the same order; the logits equal
-    the cached ones up to float rounding (another kernel path), so the tokens are the population's own."""
-    B, b, _ = prompts.shape
-    last = pop.call(lambda m, x: m.policy.head(m.policy.hidden(x, use_cache=False)[0][:, -1]))  # (B, b, V)
-    seq = prompts
-    out = torch.empty(B, b, max_new_tokens, dtype=torch.long, device=prompts.device)
-    done = torch.zeros(B, b, dtype=torch.bool, device=prompts.device)
-    for t in range(max_new_tokens):
-        probs = F.softmax(last(seq) / temperature, dim=-1)  # (B, b, V)
-        nxt = torch.stack([torch.multinomial(pr, 1, generator=g).squeeze(1) for pr, g in zip(probs, gens)])  # (B, b)
-        nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
-        out[:, :, t] = nxt
-        done |= nxt == EOS
-        seq = torch.cat([seq, nxt[:, :, None]], dim=2)  # (B, b, p + t + 1)
     return out
 
 

@@ -77,7 +77,7 @@ def test_a_cell_alone_and_in_a_population_of_8_are_bit_identical(ppo_setup, arm)
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_an_hf_cell_alone_and_in_a_population_of_8_are_bit_identical(ppo_setup, hf_models, arm):
     """The hf backend: teacher-forced passes through ``functional_call`` over stacked transformers weights, and
-    generation without a KV cache (``rlhf.population.generate_cells_uncached``)."""
+    generation with its KV cache carried through vmap as tensors (``rlhf.population.policy_hidden``)."""
     alone = alone_and_inside(ppo_setup, arm, hf_models)
     assert alone["evals"][0]["kl"] > 0 and alone["policy"].keys() == hf_models[1].state_dict().keys()
 
@@ -90,8 +90,7 @@ def test_a_population_of_one_matches_train_ppo_to_float_rounding(ppo_setup):
 
 
 def test_an_hf_population_of_one_matches_train_ppo_to_float_rounding(ppo_setup, hf_models):
-    """As on the tiny backend, though the population samples without a KV cache and ``train_ppo`` with one: the
-    logits differ in the last bits only, the same tokens are drawn."""
+    """As on the tiny backend (tokens sampled with a KV cache in both)."""
     matches_train_ppo(cell(ppo_setup, "ppo-reward-k1", 0.1, 3, hf_models))
 
 
