@@ -4,20 +4,22 @@ cell per process (``rlhf.ppo.train_ppo``), on a device (issue 21).
     python benchmarks/bench_population.py --device cuda                      # B = 1, 8, 64, 256, then doubling to OOM
     python benchmarks/bench_population.py --device cpu --sizes 1 2 4 8 --iterations 4 --repeats 3
     python benchmarks/bench_population.py --device cpu --smoke               # seconds: the script works
+    python benchmarks/bench_population.py --device cpu --backends hf-llama hf-gpt2 --sizes 1 2 4 --iterations 2
 
 A cell is the default grammar cell of ``bench_gpu.py`` (params.yaml's PPO settings, the reference arm at the middle
-coefficient, grammar instance 0, models of params.yaml's size with random weights: speed does not depend on
-them); the B cells of a population differ in seed and coefficient (the coefficients of params.yaml's grid, in
-turn). Seconds are wall-clock on CUDA and this process's CPU seconds on CPU (one torch thread: cells/hour per
-core, robust to other work on a shared machine). ``single``: one ``train_ppo`` cell in this process (what one
-worker does per cell); cells/hour = 3600 / its seconds, per worker. ``population B``: ``train_population`` of B
-cells; cells/hour = 3600 B / its seconds. Each figure is the median of ``--repeats`` runs; ``per_cell_ratio`` =
-single seconds / (population seconds / B) (> 1: the population is faster per cell). ``--max-doubling`` (default
-on CUDA) goes on doubling B past the last size until the device runs out of memory (or B = 8192): the largest B
-that fit is reported. The population's cell 0 is the single cell: ``vs_single`` holds |difference| of its final
-gold and KL (float rounding, amplified by training; ``rlhf.population``'s docstring). Results: stdout and
-benchmarks/out/population.json (git-ignored). The hf backend is not benchmarked: ``rlhf.population`` refuses it
-(its docstring says why).
+coefficient, grammar instance 0, models of params.yaml's size with random weights: speed does not depend on them),
+on each of ``--backends`` (default tiny; hf-llama and hf-gpt2 are ``bench_backends.py``'s from-config
+``transformers`` models of the same sizes, MLP width 4 d_model, fp32: a population refuses bf16 autocast); the B
+cells of a population differ in seed and coefficient (the coefficients of params.yaml's grid, in turn). Seconds are
+wall-clock on CUDA and this process's CPU seconds on CPU (one torch thread: cells/hour per core, robust to other
+work on a shared machine). ``single``: one ``train_ppo`` cell in this process (what one worker does per cell);
+cells/hour = 3600 / its seconds, per worker. ``population B``: ``train_population`` of B cells; cells/hour = 3600 B
+/ its seconds. Each figure is the median of ``--repeats`` runs; ``per_cell_ratio`` = single seconds / (population
+seconds / B) (> 1: the population is faster per cell). ``--max-doubling`` (default on CUDA) goes on doubling B past
+the last size until the device runs out of memory (or B = 8192): the largest B that fit is reported. The
+population's cell 0 is the single cell: ``vs_single`` holds |difference| of its final gold and KL (float rounding,
+amplified by training; ``rlhf.population``'s docstring). Results: stdout and benchmarks/out/population.json
+(git-ignored), one entry of "backends" per backend.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from rlhf.ppo import train_ppo
 OUT = Path(__file__).resolve().parent / "out" / "population.json"
 
 
-def workload(args, device: torch.device):
+def workload(args, backend: str, device: torch.device):
     """(the default grammar cell's config, its task, ref, reward model, train prompts, eval sets) on ``device``."""
     params = load_params()
     task = build_task("grammar", params.grammar.task, 0)
@@ -58,7 +60,7 @@ def workload(args, device: torch.device):
     cfg = cell.config
     if args.iterations is not None:
         cfg = cfg.model_copy(update={"iterations": args.iterations})
-    ref = build("tiny", sizes(params)).to(device).eval()
+    ref = build(backend, sizes(params)).to(device).eval()
     reward_model = ScalarModel(copy.deepcopy(ref)).eval()
     n_eval = args.eval_prompts or len(task["eval_prompts"])
     evals = {"": task["eval_prompts"][:n_eval].to(device)}
@@ -115,9 +117,36 @@ def measure(w, b: int, repeats: int, device: torch.device, base_s: float, base: 
     }
 
 
+def bench_backend(args, backend: str, device: torch.device) -> dict:
+    """The single-cell baseline and every population size on one backend: its entry of the report."""
+    w = workload(args, backend, device)
+    singles = [single(w, device) for _ in range(args.repeats)]
+    base_s, base = statistics.median(s for s, _ in singles), singles[0][1]
+    report = {"backend": backend, "iterations": w[0].iterations, "eval_prompts": len(w[-1][""])}
+    report["single"] = {"seconds_median": base_s, "cells_per_hour": 3600 / base_s}
+    report["runs"] = []
+    print(json.dumps(report), flush=True)
+    sizes_ = list(args.sizes)
+    doubling = args.max_doubling if args.max_doubling is not None else device.type == "cuda"
+    while sizes_:
+        b = sizes_.pop(0)
+        try:
+            row = measure(w, b, args.repeats, device, base_s, base)
+        except torch.cuda.OutOfMemoryError:
+            report["out_of_memory_at"] = b
+            break
+        report["runs"].append(row)
+        print(json.dumps({"backend": backend, **row}), flush=True)
+        if doubling and not sizes_ and b < 8192:
+            sizes_.append(2 * b)
+    report["largest"] = max((r["population"] for r in report["runs"]), default=None)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backends", nargs="+", default=["tiny"], choices=["tiny", "hf-llama", "hf-gpt2"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[1, 8, 64, 256])
     ap.add_argument("--iterations", type=int, default=None, help="PPO iterations per cell (default: params.yaml)")
     ap.add_argument("--eval-prompts", type=int, default=None, help="evaluation prompts per cell (default: all)")
@@ -133,28 +162,10 @@ def main() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA starts)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    w = workload(args, device)
-    singles = [single(w, device) for _ in range(args.repeats)]
-    base_s, base = statistics.median(s for s, _ in singles), singles[0][1]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = {"device": name, "threads": args.threads, "iterations": w[0].iterations, "eval_prompts": len(w[-1][""])}
-    report["single"] = {"seconds_median": base_s, "cells_per_hour": 3600 / base_s}
-    report["runs"] = []
-    print(json.dumps(report), flush=True)
-    sizes_ = list(args.sizes)
-    doubling = args.max_doubling if args.max_doubling is not None else device.type == "cuda"
-    while sizes_:
-        b = sizes_.pop(0)
-        try:
-            row = measure(w, b, args.repeats, device, base_s, base)
-        except torch.cuda.OutOfMemoryError:
-            report["out_of_memory_at"] = b
-            break
-        report["runs"].append(row)
-        print(json.dumps(row), flush=True)
-        if doubling and not sizes_ and b < 8192:
-            sizes_.append(2 * b)
-    report["largest"] = max((r["population"] for r in report["runs"]), default=None)
+    report = {"device": name, "threads": args.threads, "backends": []}
+    for backend in args.backends:
+        report["backends"].append(bench_backend(args, backend, device))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 

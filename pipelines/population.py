@@ -4,9 +4,10 @@ batched computation on its device (``rlhf.population``), each cell still its own
     python -m pipelines.run --gpus 0 --population 256     # make repro RUN_ARGS="--gpus 0 --population 256"
 
 ``plan`` groups a wave's stale cells by task and ``rlhf.population.structure`` (algorithm, KL placement and
-estimator, every PPO value but seed and KL strength) into groups of at most N, in the wave's order; a cell a
-population cannot train (hf backend, moving reference, target old_policy with a reward-side KL, gradient
-diagnostics) stays a cell of its own, run as today. A worker runs a group with ``run_group``: each cell is loaded
+estimator, every PPO value but seed and KL strength) into groups of at most N, in the wave's order (the tiny and
+the hf backend alike: a task has one model section); a cell a population cannot train (hf backend with bf16
+autocast, moving reference, target old_policy with a reward-side KL, gradient diagnostics) stays a cell of its own,
+run as today. A worker runs a group with ``run_group``: each cell is loaded
 as its stage loads it (``pipelines.ppo.load_cell``), all are trained together, and each cell's outputs and MLflow
 run are written exactly as ``python -m pipelines.ppo <stage>`` writes them (``pipelines.ppo.write_outputs``). The
 runner then records every cell of the group in dvc.lock as it records a cell. Interrupting: a group finishes all
@@ -52,7 +53,7 @@ def _key(params: Params, cell: Cell):
         return None
     task = getattr(params, cell.task)
     cfg = cell.config  # built once, in the grid
-    if task.model.backend != "tiny" or refused(cfg):
+    if refused(cfg) or (task.model.backend == "hf" and task.model.hf.bf16):  # bf16: rlhf.population.AUTOCAST_REFUSED
         return None
     return repr((cell.task, sorted(structure(cfg).items())))
 

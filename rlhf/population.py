@@ -26,11 +26,17 @@ cell, no vmap) it is not bit-identical: batched kernels (per-cell reductions, th
 the last float bits differently, and training amplifies that: population results are a re-baseline of the cells
 they run (benchmarks/bench_population.py measures the final gold and KL difference).
 
-Coverage: the tiny backend (``rlhf.model.TinyLM``); every algorithm (ppo with its critic, grpo, rloo,
-reinforce_pp), every placement and estimator, fixed or adaptive coefficient, every policy-loss option. Refused
-with a ValueError: the hf backend (``rlhf.hf.HFLM``; not attempted: teacher-forced passes would go through
-``functional_call`` as TinyLM's do, but its generation keeps a transformers cache object, which vmap has not been
-tried on), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side KL
+Coverage: the tiny backend (``rlhf.model.TinyLM``) and the hf backend (``rlhf.hf.HFLM``, both families of
+``rlhf.hf``: Llama and GPT-2, fp32); every algorithm (ppo with its critic, grpo, rloo, reinforce_pp), every placement
+and estimator, fixed or adaptive coefficient, every policy-loss option. On the hf backend the teacher-forced passes
+go through ``functional_call`` over the stacked ``transformers`` weights as TinyLM's do, and generation keeps its KV
+cache as (keys, values) tensors per layer between vmapped calls (``policy_hidden``: vmap carries tensors, not a
+``DynamicCache``, which is rebuilt from them inside each call). Refused with a
+ValueError: hf models under bf16 autocast (``AUTOCAST_REFUSED``: with torch 2.13.0 and transformers 5.23.0, inside
+``vmap`` ``torch.autocast`` casts a matmul but not ``F.linear`` with per-cell weights, so Llama's attention stops in
+``scaled_dot_product_attention`` with "RuntimeError: Expected query, key, and value to have the same dtype, but got
+query.dtype: float key.dtype: float and value.dtype: c10::BFloat16 instead." and GPT-2 would run at another precision
+than ``train_ppo``), the moving reference (``ref_sync_every``), target 'old_policy' with a reward-side KL
 (``rlhf.kl.reward_kl_remeasured``) and gradient diagnostics: they run one cell per process, as today.
 """
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -53,7 +60,7 @@ from rlhf import kl as K
 from rlhf.algorithms import ALGORITHMS
 from rlhf.config import PPOConfig
 from rlhf.evaluate import response_stats
-from rlhf.model import ScalarModel, TinyLM, adam, response_logits
+from rlhf.model import ScalarModel, TinyLM, adam, full_precision, response_logits
 from rlhf.ppo import (
     check_finite,
     draw_prompts,
@@ -97,6 +104,19 @@ class Models(nn.Module):
         return fn(self, *args)
 
 
+def is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is an ``rlhf.hf.HFLM`` (without importing ``transformers`` for a TinyLM population)."""
+    hf = sys.modules.get("rlhf.hf")
+    return hf is not None and isinstance(model, hf.HFLM)
+
+
+def hf_config(model: nn.Module) -> dict | None:
+    """An HFLM's architecture config (without where it was loaded from), None for a TinyLM."""
+    if not is_hf(model):
+        return None
+    return {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+
+
 def structure(cfg: PPOConfig) -> dict:
     """What the cells of one population share: the config without seed and KL strength."""
     kl = cfg.kl.model_dump(exclude={"coef", "adaptive_target", "horizon"})
@@ -113,22 +133,38 @@ def refused(cfg: PPOConfig) -> str | None:
     return None
 
 
+AUTOCAST_REFUSED = (
+    "population: hf models under bf16 autocast (rlhf.hf.set_autocast) run one cell per process: inside "
+    "torch.func.vmap torch.autocast casts some ops and not others (F.linear with per-cell weights stays float32), so "
+    "Llama's attention fails (scaled_dot_product_attention: 'Expected query, key, and value to have the same dtype') "
+    "and GPT-2 would not run at train_ppo's precision"
+)
+
+
 def check_cells(cells: list[CellInputs]) -> None:
     """ValueError (one line) for a population this module cannot train, or cells that differ in structure."""
     if not cells:
         raise ValueError("a population needs at least one cell")
     first = cells[0]
     for c in cells:
-        if not isinstance(c.ref, TinyLM):
-            raise ValueError(f"population: the tiny backend only (TinyLM), not {type(c.ref).__name__} (hf backend)")
+        if not (isinstance(c.ref, TinyLM) or is_hf(c.ref)):
+            raise ValueError(f"population: TinyLM or rlhf.hf.HFLM models only, not {type(c.ref).__name__}")
         if refused(c.cfg):
             raise ValueError(refused(c.cfg))
+        if any(
+            getattr(m, "autocast_dtype", None) is not None
+            for x in (c.ref, c.reward_model, c.policy)
+            if x is not None
+            for m in x.modules()
+        ):
+            raise ValueError(AUTOCAST_REFUSED)
         if (c.task.reward == "learned") != (c.reward_model is not None):
             raise ValueError(f"population: a task with a {c.task.reward!r} reward needs a reward model iff learned")
         if structure(c.cfg) != structure(first.cfg):
             raise ValueError("population: cells must share their config except seed and KL coefficient")
         shapes = lambda x: {k: v.shape for k, v in x.state_dict().items()}
         same = shapes(c.ref) == shapes(first.ref) and c.task.max_new_tokens == first.task.max_new_tokens
+        same = same and hf_config(c.ref) == hf_config(first.ref)  # the template runs the first cell's config
         sets = lambda x: {k: v.shape[1:] for k, v in x.eval_sets.items()}
         same = same and c.train_prompts.shape[1:] == first.train_prompts.shape[1:] and sets(c) == sets(first)
         if not same or (c.reward_model is None) != (first.reward_model is None):
@@ -228,12 +264,23 @@ class Population:
         return len(self.cells)
 
 
+def policy_hidden(m: Models, x: torch.Tensor, cache=None, start: int = 0):
+    """``m.policy.hidden`` with the KV cache as [(keys, values)] per layer, tensors that vmap carries in and out of
+    a call (a TinyLM's own cache; an HFLM's ``transformers`` ``DynamicCache`` is rebuilt from them and taken apart)."""
+    if not is_hf(m.policy):
+        return m.policy.hidden(x, cache, start=start)
+    from transformers import DynamicCache
+
+    h, cache = m.policy.hidden(x, None if cache is None else DynamicCache(cache), start=start)
+    return h, [(layer.keys, layer.values) for layer in cache.layers]
+
+
 @torch.no_grad()
 def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: float, gens) -> torch.Tensor:
     """``rlhf.model.generate`` for every cell: prompts (B, b, p) -> responses (B, b, T), the forward passes
     (KV cache (B, b, h, s, d/h) per layer) batched over cells, each cell's tokens drawn with its own generator."""
     B, b, p = prompts.shape
-    h, cache = pop.call(lambda m, x: m.policy.hidden(x))(prompts)  # (B, b, p, d)
+    h, cache = pop.call(lambda m, x: policy_hidden(m, x))(prompts)  # (B, b, p, d)
     head = pop.call(lambda m, x: m.policy.head(x[:, -1]))
     logits = head(h)  # (B, b, V)
     out = torch.empty(B, b, max_new_tokens, dtype=torch.long, device=prompts.device)
@@ -245,7 +292,7 @@ def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: f
         out[:, :, t] = nxt
         done |= nxt == EOS
         if t + 1 < max_new_tokens:
-            step = lambda m, x, c, start=p + t: m.policy.hidden(x[:, None], c, start=start)
+            step = lambda m, x, c, start=p + t: policy_hidden(m, x[:, None], c, start)
             h, cache = pop.call(step)(nxt, cache)
             logits = head(h)
     return out
@@ -265,7 +312,8 @@ def evaluate_cells(pop: Population, it: int) -> list[dict]:
         gens = [torch.Generator(device=prompts.device).manual_seed(c.cfg.eval_seed) for c in pop.cells]
         responses = generate_cells(pop, prompts, pop.cells[0].task.max_new_tokens, cfg.temperature, gens)
         both = lambda m, x, y: [response_logits(mod, x, y, cfg.temperature) for mod in (m.policy, m.ref)]
-        logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
+        with full_precision(pop.template.policy, pop.template.ref):  # fp32 under bf16 autocast, as ``evaluate``
+            logits, ref_logits = pop.call(both)(prompts, responses)  # (B, m, T, V)
         proxy = (
             None
             if pop.cells[0].reward_model is None

@@ -46,6 +46,18 @@ def test_a_moving_reference_cell_runs_on_its_own():
     assert {c.stage for c in cal if c.arm == "reward_k1"} <= {i.stage for i in items}
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_hf_cells_are_grouped_unless_under_bf16_autocast(bf16):
+    from tests.pipelines.test_hf_pipeline import hf_params
+
+    params = Params.model_validate(hf_params(hf={"bf16": bf16}))
+    cal = calibration_cells(params)
+    items = population.plan(params, cal, 8)
+    groups = [i for i in items if isinstance(i, population.Group)]
+    assert (not groups) if bf16 else (groups and len(items) < len(cal))
+    assert sorted(c.stage for i in items for c in population.members(i)) == sorted(c.stage for c in cal)
+
+
 def test_the_runner_runs_groups_and_records_every_cell(workdir):
     script = runner_script().replace(
         "from tests.pipelines import fakes; ",
