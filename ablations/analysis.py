@@ -32,6 +32,7 @@ from ablations.load import BASELINE, ExpectedRun, MissingResultsError, load_diag
 from ablations.lock import LockStatus
 from ablations.questions import answer_questions, collapse_table
 from ablations.results import Results, TaskResults
+from ablations.tasks import TASKS
 
 __all__ = ["ExpectedRun", "MissingResultsError", "analyse", "run", "write_task"]
 
@@ -53,8 +54,7 @@ def scope(runs: pd.DataFrame, task: str) -> str:
     inst = sorted(runs.instance.unique())
     seeds = runs[runs.arm == BASELINE].groupby("instance").seed.nunique()
     s = f"{seeds.min()}" if seeds.min() == seeds.max() else f"{seeds.min()}–{seeds.max()}"
-    learned = "final_proxy" in runs and runs.final_proxy.notna().any()
-    reward = "a learned proxy reward model" if learned else "an exact verifier reward"
+    reward = "a learned proxy reward model" if TASKS[task].learned_reward else "an exact verifier reward"
     return (
         f"task {task}, {len(inst)} independent instances (task seeds {', '.join(map(str, inst))}: each its own data, "
         f"SFT policy and {reward}) × {s} PPO seed(s) each"

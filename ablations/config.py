@@ -17,6 +17,8 @@ from ablations.experiment import *  # noqa: F403 (the schema's names, for the ca
 from ablations.experiment import PARAMS_FILE, Experiment, ParamsError, validate
 from ablations.protocol_params import *  # noqa: F403
 from ablations.protocol_params import AnalysisParams, check_metrics
+from ablations.section import *  # noqa: F403
+from ablations.tasks import *  # noqa: F403
 
 
 class Params(Experiment):

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     FiniteFloat,
     ValidationError,
@@ -30,175 +28,17 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from ablations.section import STRICT, PPODefaults, Seed, TaskSection, _distinct
+from ablations.tasks import TASKS
 from rlhf.config import Estimator, KLConfig, PPOConfig
 
 PARAMS_FILE = Path("params.yaml")
-STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 RESERVED_ARMS = ("none", "baseline")  # the no-KL baseline's names
-MAX_SEED = 2**31 - 1  # every seed (grid, eval_seed, diagnostics): seed * 1_000_003 + i stays below 2**63
 MAX_NAME = 64  # an arm name is part of a stage name and of a directory name (runs/<task>/<kind>/<key>)
-MAX_WORK = 1e12  # parameters x batch x sequence of any training step: above it a step needs > ~6e12 FLOPs and
-# its activations tens of GB (the default grid is ~1e8; GPT-2 small at batch 64 x 128 tokens ~1e12)
-# The TOST margin of a metric must be below its plausible range, or everything is "equivalent": accuracies and
-# shares are in [0, 1], so at most 0.5 (half the range); grammar gold and proxy are word qualities ~ N(0, 1) per
-# word, so at most 2.0 (two SDs; PPO's largest gain over SFT on this task is 0.574). Only these metrics exist.
-METRICS = {  # the metrics of each task's evaluation that a protocol may compare (rlhf/evaluate.py)
-    "grammar": ("gold", "proxy", "illegal", "empty", "truncated"),
-    "arithmetic": ("gold", "ood_gold", "empty", "truncated"),
-}
-
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class ParamsError(ValueError):
     """A params.yaml problem, worded for the person editing the file (one line)."""
-
-
-class GrammarTaskParams(BaseModel):
-    """The synthetic language and its gold reward (rlhf/task.py has the formula); its seed is the task instance."""
-
-    model_config = STRICT
-    n_words: int = Field(ge=2, le=10_000)
-    n_successors: int = Field(ge=1, description="legal successors per word, among the other words")
-    p_eos: FiniteFloat = Field(gt=0.0, lt=1.0)
-    quality_mean: FiniteFloat = Field(ge=-100.0, le=100.0, description="mean gold quality of a word")
-    illegal_penalty: FiniteFloat = Field(ge=0.0, le=1_000.0)
-    prompt_len: int = Field(ge=2, le=1_000)
-    max_new_tokens: int = Field(ge=2, le=1_000, description="a demonstration has at least one word and EOS")
-    n_demos: int = Field(gt=0, le=10_000_000)
-    n_train_prompts: int = Field(gt=0, le=10_000_000)
-    n_eval_prompts: int = Field(gt=0, le=1_000_000)
-
-    @model_validator(mode="after")
-    def _fits(self):
-        if self.n_successors >= self.n_words:
-            raise ValueError(
-                f"n_successors ({self.n_successors}) must be below n_words ({self.n_words}): no word may follow itself"
-            )
-        return self
-
-    def grammar_kwargs(self, seed: int) -> dict:
-        """The arguments of ``rlhf.task.make_grammar`` for instance ``seed`` (every one, none left to a default)."""
-        return {"seed": seed, **self.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"})}
-
-
-class HFParams(BaseModel):
-    """The Hugging Face backend (rlhf/hf.py): a transformers causal LM built from a config (``family``, with the
-    sizes of the ``model`` section) or loaded from ``pretrained`` (a local save_pretrained directory, or a hub id on
-    a machine that can reach a hub; nothing downloads in this repository's pipeline or tests)."""
-
-    model_config = STRICT
-    family: Literal["llama", "gpt2"] | None = Field(description="architecture of a from-config model")
-    intermediate_size: int | None = Field(gt=0, le=1_000_000, description="MLP width of a from-config model")
-    pretrained: str | None = Field(min_length=1, description="directory (or hub id) of a pretrained model")
-    tokens: list[str] | None = Field(description="pretrained: the tokenizer's token for BOS, EOS, then each word")
-    bf16: bool = Field(description="bf16 autocast for the policy/reference/reward/value forward (fp32 weights)")
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.pretrained is None) == (self.family is None):
-            raise ValueError("set exactly one of 'family' (a model built from a config) and 'pretrained'")
-        if self.family is not None and self.intermediate_size is None:
-            raise ValueError("a from-config model needs 'intermediate_size'")
-        if self.pretrained is None and self.tokens is not None:
-            raise ValueError("'tokens' maps the task's tokens into a pretrained model's vocabulary; set 'pretrained'")
-        return self
-
-    @field_validator("pretrained")
-    @classmethod
-    def _model_dir(cls, v):
-        """A path (absolute, ./ or ../, or an existing directory) must be a saved model: a directory with a
-        config.json. Anything else is a hub id (``org/name``), for a machine that can reach a hub."""
-        if v is None:
-            return v
-        path = Path(v).expanduser()
-        if (v.startswith(("/", "./", "../", "~")) or path.exists()) and not (path / "config.json").is_file():
-            what = "does not exist" if not path.exists() else "has no config.json"
-            raise ValueError(f"{v!r} {what}: give a save_pretrained directory (with config.json) or a hub id")
-        return v
-
-
-class ModelParams(BaseModel):
-    """Policy, reference, reward and value models: the tiny transformer (rlhf/model.py) or a Hugging Face model."""
-
-    model_config = STRICT
-    backend: Literal["tiny", "hf"]
-    d_model: int = Field(gt=0, le=65_536)
-    n_layers: int = Field(gt=0, le=1_000)
-    n_heads: int = Field(gt=0, le=1_024)
-    hf: HFParams | None = None  # required by, and only by, backend hf
-
-    @model_validator(mode="after")
-    def _heads(self):
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        if (self.backend == "hf") != (self.hf is not None):
-            raise ValueError("backend 'hf' needs the 'hf' block, and only backend 'hf' takes one")
-        return self
-
-
-class SFTParams(BaseModel):
-    model_config = STRICT
-    steps: int = Field(gt=0, le=10_000_000)
-    batch_size: int = Field(gt=0, le=1_000_000)
-    lr: FiniteFloat = Field(gt=0.0, le=1.0)
-    adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon")
-    n_heldout: int = Field(gt=0, description="the last demonstrations, held out for NLL")
-
-
-class RMParams(BaseModel):
-    model_config = STRICT
-    n_pairs: int = Field(gt=0, le=10_000_000)
-    n_heldout_pairs: int = Field(ge=20, le=1_000_000, description="enough for an accuracy and a correlation")
-    label_noise: FiniteFloat = Field(ge=0.0, description="Bradley-Terry temperature on gold differences")
-    steps: int = Field(gt=0, le=10_000_000)
-    batch_size: int = Field(gt=0, le=1_000_000)
-    lr: FiniteFloat = Field(gt=0.0, le=1.0)
-    adam_eps: FiniteFloat = Field(gt=0.0, le=1.0, description="Adam's epsilon")
-
-
-# Bounds of ppo values beyond PPOConfig's own: what a torch generator takes (seeds), and floats that stay finite
-# through the loss (1/temperature scales logits; vf_coef and missing_eos_score enter the loss and the returns).
-PPO_BOUNDS = {
-    "eval_seed": (0, MAX_SEED),
-    "temperature": (0.01, 100),
-    "vf_coef": (0, 100),
-    "missing_eos_score": (-100, 100),
-    "cliprange": (0, 100),
-    "cliprange_value": (0, 1_000_000),
-}
-
-
-class PPODefaults(PPOConfig):
-    """The ``ppo`` section: every PPOConfig field except ``kl`` and ``seed``, which come from the grid cell."""
-
-    kl: object = None  # refused below: the grid supplies it
-    seed: object = None
-
-    @model_validator(mode="after")
-    def _no_cell_keys(self):
-        bad = {"kl", "seed"} & self.model_fields_set
-        if bad:
-            raise ValueError(f"{', '.join(sorted(bad))} belong in 'grid' (arms, coefs, seeds), not in 'ppo'")
-        if self.eval_every > self.iterations:
-            raise ValueError(f"eval_every ({self.eval_every}) must be <= iterations ({self.iterations})")
-        return self
-
-    @field_validator(*PPO_BOUNDS)
-    @classmethod
-    def _bounded(cls, v, info):
-        """The values the training loop turns into overflows or a generator refuses (PPO_BOUNDS)."""
-        lo, hi = PPO_BOUNDS[info.field_name]
-        if v is not None and not lo <= v <= hi:
-            raise ValueError(f"must be in [{lo}, {hi}] (got {v!r})")
-        return v
-
-    @field_validator("diagnostics")
-    @classmethod
-    def _diagnostics_seed(cls, d):
-        if d is not None and d.seed > MAX_SEED:
-            raise ValueError(f"seed must be in [0, {MAX_SEED}] (got {d.seed})")
-        return d
 
 
 PPO_OVERRIDES = (  # the PPOConfig fields an arm may replace (rlhf/config.py documents each)
@@ -339,238 +179,15 @@ class Grid(BaseModel):
         return _distinct("seed", seeds)
 
 
-def _distinct(name: str, values: list) -> list:
-    dup = sorted({v for v in values if values.count(v) > 1})
-    if dup:
-        raise ValueError(f"duplicate {name} {dup[0]} in {values}")
-    return values
-
-
-# A coefficient or KL target as written: an int stays an int (`3`), a float a float (`3.0`), because DVC names a
-# matrix stage by the value as parsed (`…-3-0` and `…-3.0-0`); ablations.grid.stage_name then makes DVC's name for
-# either. The two spellings of one value are one value (refused as a duplicate).
-Strength = Annotated[int | FiniteFloat, Field(union_mode="smart")]
-
-
-class TargetRule(BaseModel):
-    """The matched-KL target: ``fraction`` x the no-KL runs' exact KL ``at`` their gold peak or at the end (median
-    over the calibration instances)."""
-
-    model_config = STRICT
-    at: Literal["peak", "final"]
-    fraction: FiniteFloat = Field(gt=0.0, le=10.0)
-
-
-class CalibrationParams(BaseModel):
-    """What the calibration stage (ablations/calibration.py) fixes on the calibration instances, before any
-    evaluation cell runs: the margins (``margin_fraction`` x the no-KL gain in gold, the no-KL runs' ``gain`` -- peak
-    or final gold -- minus SFT gold), the KL target, each arm's best coefficient among ``coefs``, and the coefficient
-    of the margin-sized positive control."""
-
-    model_config = STRICT
-    instances: list[Seed] = Field(description="task seeds of the calibration instances (disjoint from instances)")
-    coefs: list[Strength] = Field(description="coefficients every calibration arm runs at (at least 3)")
-    margin_fraction: FiniteFloat = Field(gt=0.0, le=1.0, description="margin = this x the no-KL gold gain")
-    gain: Literal["peak", "final"] = Field(description="the no-KL gain: peak gold or final gold, minus SFT gold")
-    target: TargetRule
-
-    @field_validator("instances")
-    @classmethod
-    def _instances(cls, v):
-        return _distinct("calibration instance", v)
-
-    @field_validator("coefs")
-    @classmethod
-    def _coefs(cls, coefs):
-        if len(coefs) < 3:
-            raise ValueError(f"must list at least 3 coefficients to choose from (got {coefs})")
-        if any(not 0 < c <= 1_000 for c in coefs):
-            raise ValueError(f"every coefficient must be in (0, 1000] (got {coefs})")
-        return _distinct("coefficient", coefs)
-
-
-class TaskSection(BaseModel):
-    """What every task section has: its instances (each a task seed with its own data and SFT model), models, SFT,
-    PPO values and the strengths of its KL arms (fixed coefficients, and KL targets for the matched cells).
-    Coefficients and targets are per task because each task's KL lives on its own scale."""
-
-    model_config = STRICT
-    instances: list[Seed]
-    model: ModelParams
-    sft: SFTParams
-    ppo: PPODefaults
-    calibration: CalibrationParams
-    coefs: list[Strength] = Field(description="exploratory fixed cells: every arm at each of these coefficients")
-    kl_targets: list[Strength] = Field(description="exploratory matched-KL cells: nats per response")
-
-    @field_validator("instances")
-    @classmethod
-    def _instances(cls, v):
-        return _distinct("instance", v)
-
-    @field_validator("coefs")
-    @classmethod
-    def _coefs(cls, coefs):
-        bad = [c for c in coefs if not 0 < c <= 1_000]
-        if bad:
-            raise ValueError(
-                f"every coefficient must be in (0, 1000] (got {bad[0]}); the no-KL baseline runs by itself"
-            )
-        return _distinct("coefficient", coefs)
-
-    @field_validator("kl_targets")
-    @classmethod
-    def _targets(cls, v):
-        if any(not 0 < x <= 1_000 for x in v):
-            raise ValueError(f"every KL target must be in (0, 1000] nats (got {v})")
-        return _distinct("KL target", v)
-
-    @property
-    def learned_reward(self) -> bool:
-        """Whether the task scores with a learned reward model (an ``rm`` section and stage), not a verifier: the one
-        test of it (the stages, the grid's upstream chains and the cell all ask here)."""
-        return getattr(self, "rm", None) is not None
-
-    @model_validator(mode="after")
-    def _sizes(self):
-        if bool(self.instances) != bool(self.calibration.instances):
-            raise ValueError(
-                "instances and calibration.instances must both be empty (the task does not run) or both non-empty "
-                f"(got {len(self.instances)} and {len(self.calibration.instances)})"
-            )
-        both = sorted(set(self.instances) & set(self.calibration.instances))
-        if both:
-            raise ValueError(
-                f"calibration.instances and instances must be disjoint: nothing is judged on an instance it was "
-                f"tuned on (both have {both})"
-            )
-        if self.sft.n_heldout >= self.task.n_demos:
-            raise ValueError(
-                f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "
-                "SFT trains on the rest"
-            )
-        work = self.work()
-        if work > MAX_WORK:
-            raise ValueError(
-                f"model x batch x sequence = {work:.2g} (about {self.n_params():.2g} parameters x batch "
-                f"{self.max_batch()} x {self.seq_len()} tokens) is above the limit {MAX_WORK:.0e}: make model "
-                "(d_model, n_layers), sft/rm/ppo batch_size or the sequence smaller"
-            )
-        return self
-
-    def seq_len(self) -> int:
-        return self.task.prompt_len + self.task.max_new_tokens
-
-    def vocab(self) -> int:
-        return 16  # arithmetic: 10 digits, +, -, =, BOS, EOS, PAD (an estimate is enough)
-
-    def max_batch(self) -> int:
-        rm = getattr(self, "rm", None)
-        return max(self.sft.batch_size, self.ppo.batch_size, 2 * rm.batch_size if rm else 0)
-
-    def n_params(self) -> float:
-        """Parameters of one model, estimated from the model section (a pretrained model: not counted, 0)."""
-        m, d = self.model, self.model.d_model
-        if m.backend == "hf" and m.hf.pretrained is not None:
-            return 0.0
-        mlp = 3 * d * m.hf.intermediate_size if m.backend == "hf" else 8 * d * d
-        return m.n_layers * (4 * d * d + mlp) + (self.vocab() + self.seq_len()) * d
-
-    def work(self) -> float:
-        return self.n_params() * self.max_batch() * self.seq_len()
-
-    def ppo_config(self, kl: KLConfig, seed: int, **overrides) -> PPOConfig:
-        """The PPOConfig of one cell: this task's ppo values (``overrides``: an arm's algorithm/group_size)."""
-        return PPOConfig(**{**self.ppo.model_dump(exclude={"kl", "seed"}), **overrides}, kl=kl, seed=seed)
-
-
-class GrammarParams(TaskSection):
-    """Task 1, RLHF (rlhf/task.py): PPO optimises a proxy reward model trained on gold-labelled preferences, in
-    place of the exact gold reward it approximates. Each instance has its own grammar, prompts, demonstrations, SFT
-    model and reward model."""
-
-    task: GrammarTaskParams
-    rm: RMParams
-
-    def vocab(self) -> int:
-        return self.task.n_words + 2
-
-    @model_validator(mode="after")
-    def _tokens(self):
-        hf = self.model.hf
-        if hf is not None and hf.tokens is not None and len(hf.tokens) != self.task.n_words + 2:
-            raise ValueError(
-                f"model.hf.tokens must list BOS, EOS and the {self.task.n_words} words ({self.task.n_words + 2} "
-                f"tokens; got {len(hf.tokens)})"
-            )
-        return self
-
-
-MIN_POOL_SHARE, MIN_POOL_PAIRS = 0.01, 10  # rlhf/arithmetic.py draws each pool by rejection: it must be there
-
-
-class ArithmeticTaskParams(BaseModel):
-    """Fixed-width addition with subtraction held out (rlhf/arithmetic.py has the verifier and the splits); the
-    instance seeds the split of operand pairs and every draw."""
-
-    model_config = STRICT
-    n_digits: int = Field(ge=1, le=4)
-    max_new_tokens: int = Field(ge=3, le=1_000, description="at least n_digits + 2: the answer digits and EOS")
-    carry_drop: FiniteFloat = Field(ge=0.0, le=1.0, description="chance a demonstration drops each carry/borrow")
-    sub_fraction: FiniteFloat = Field(ge=0.0, le=1.0, description="share of subtractions among demonstrations")
-    eval_fraction: FiniteFloat = Field(gt=0.0, lt=1.0, description="share of operand pairs held out for evaluation")
-    rl_fraction: FiniteFloat = Field(gt=0.0, lt=1.0, description="share of operand pairs whose sums are RL prompts")
-    format_penalty: FiniteFloat = Field(ge=0.0, le=100.0, description="gold cost of a malformed response")
-    n_demos: int = Field(gt=0, le=10_000_000)
-    n_train_prompts: int = Field(gt=0, le=10_000_000)
-    n_eval_prompts: int = Field(gt=0, le=1_000_000, description="each for the in-domain and the OOD set")
-
-    @model_validator(mode="after")
-    def _fits(self):
-        if self.max_new_tokens < self.n_digits + 2:
-            raise ValueError(
-                f"max_new_tokens must be >= n_digits + 2 = {self.n_digits + 2} (got {self.max_new_tokens})"
-            )
-        if self.eval_fraction + self.rl_fraction >= 1:
-            raise ValueError("eval_fraction + rl_fraction must leave a share of operand pairs for the SFT pool")
-        pairs = 10 ** (2 * self.n_digits)
-        shares = {"eval_fraction": self.eval_fraction, "rl_fraction": self.rl_fraction}
-        shares["1 - eval_fraction - rl_fraction"] = 1 - self.eval_fraction - self.rl_fraction
-        for name, share in shares.items():
-            if share < MIN_POOL_SHARE or share * pairs < MIN_POOL_PAIRS:
-                raise ValueError(
-                    f"{name} = {share:g} leaves too few of the {pairs} operand pairs (about {share * pairs:.3g}); "
-                    f"each pool needs a share >= {MIN_POOL_SHARE} and >= {MIN_POOL_PAIRS} pairs"
-                )
-        return self
-
-    @property
-    def prompt_len(self) -> int:
-        return 2 * self.n_digits + 3  # rlhf/arithmetic.py ArithmeticTask.prompt_len
-
-
-class ArithmeticParams(TaskSection):
-    """Task 2, RLVR (rlhf/arithmetic.py): PPO optimises the exact verifier itself, no reward model. Gold is
-    in-domain accuracy (addition), ood_gold accuracy on the operation RL never sees (subtraction)."""
-
-    task: ArithmeticTaskParams
-
-
 class MLflowParams(BaseModel):
     model_config = STRICT
     experiment: str = Field(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")
 
 
-class Experiment(BaseModel):
-    """params.yaml as far as the cells are concerned: ``analysis`` is read as a mapping here and judged by
-    ablations.config.Params (ablations/protocol_params.py)."""
+class _Sections(BaseModel):
+    """What the whole of params.yaml's what-to-run sections check and answer (the fields: ``Experiment`` below)."""
 
     model_config = STRICT
-    grammar: GrammarParams
-    arithmetic: ArithmeticParams
-    grid: Grid
-    analysis: dict
-    mlflow: MLflowParams
 
     @model_validator(mode="after")
     def _cross(self):
@@ -598,7 +215,17 @@ class Experiment(BaseModel):
         return {name: section for name in TASKS if (section := getattr(self, name)).instances}
 
 
-TASKS = ("grammar", "arithmetic")  # the task sections of params.yaml, in report order (rlhf/tasks.py names them)
+# One section per registered task (ablations/tasks.py, in report order), then the grid, analysis and mlflow.
+Experiment = create_model(
+    "Experiment",
+    __base__=_Sections,
+    __doc__="params.yaml as far as the cells are concerned: ``analysis`` is read as a mapping here and judged by "
+    "ablations.config.Params (ablations/protocol_params.py).",
+    **{name: (spec.section, Field()) for name, spec in TASKS.items()},
+    grid=(Grid, Field()),
+    analysis=(dict, Field()),
+    mlflow=(MLflowParams, Field()),
+)
 
 
 # ---------------------------------------------------------------- messages

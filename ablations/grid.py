@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ablations.experiment import Experiment
+from ablations.tasks import TASKS
 from rlhf.config import KLConfig, PPOConfig, no_kl
 
 RUNS_DIR = Path("runs")
@@ -189,8 +190,8 @@ def find_cell(params: Experiment, stage: str) -> Cell:
 def upstream_stages(params: Experiment) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
     task) reward models of the calibration and the evaluation instances."""
-    last = lambda task, section: "rm" if section.learned_reward else "sft"
-    return [f"{t}_{p}{last(t, s)}" for t, s in params.tasks().items() for p in ("calibration_", "")]
+    last = lambda task: "rm" if TASKS[task].learned_reward else "sft"
+    return [f"{t}_{p}{last(t)}" for t in params.tasks() for p in ("calibration_", "")]
 
 
 def calibrate_stages(params: Experiment) -> list[str]:
@@ -204,7 +205,7 @@ def upstream_chains(params: Experiment, evaluation: bool = True) -> list[list[st
     instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
-        kinds = ["data", "sft", "rm"] if section.learned_reward else ["data", "sft"]
+        kinds = ["data", "sft", "rm"] if TASKS[task].learned_reward else ["data", "sft"]
         sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
         for prefix, instances in sets:
             chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]

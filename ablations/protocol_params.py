@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, FiniteFloat, field_validator, model_validator
 
-from ablations.experiment import METRICS, STRICT, TASKS, _distinct
+from ablations.section import STRICT, _distinct
+from ablations.tasks import TASKS
 
 MetricName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 
@@ -122,12 +123,12 @@ class AnalysisParams(BaseModel):
 
 
 def check_metrics(tasks: dict[str, TaskAnalysis]) -> None:
-    """Every protocol names a task and compares only metrics that task has (METRICS; the calibration stage sets
-    their margins as a share of the no-KL gain, so no margin is written by hand)."""
+    """Every protocol names a task and compares only metrics that task has (ablations.tasks.TASKS; the calibration
+    stage sets their margins as a share of the no-KL gain, so no margin is written by hand)."""
     for task, tp in tasks.items():
-        if task not in METRICS:
+        if task not in TASKS:
             raise ValueError(f"analysis.tasks.{task}: not a task; allowed: {', '.join(TASKS)}")
-        allowed = METRICS[task]
+        allowed = TASKS[task].metrics
         for metric in tp.metrics:
             if metric not in allowed:
                 key = f"analysis.tasks.{task}.metrics"

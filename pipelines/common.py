@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablations.experiment import ModelParams
+from ablations.section import ModelParams
 from pipelines import cpu
 from pipelines.cpu import THREADS_ENV
 from rlhf.model import ScalarModel, TinyLM, default_device

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ablations.experiment import Experiment, ParamsError, load_experiment, spec_of
 from ablations.grid import Cell, find_cell, protocol_path, resolve
+from ablations.tasks import TASKS
 from pipelines import tracking
 from pipelines.common import (
     atomic_dir,
@@ -109,7 +110,7 @@ def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
     task = load_task(data)
     ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
     reward_model = None  # a verifier task scores with task.gold
-    if getattr(params, cell.task).learned_reward:
+    if TASKS[cell.task].learned_reward:
         reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
     cfg = cell.config  # built once, in the grid

@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from ablations.experiment import GrammarParams
+from ablations.tasks import TASKS, GrammarParams
 from pipelines import tracking
 from pipelines.common import (
     data_path,
@@ -71,7 +71,7 @@ def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device
 
 def main(argv: list[str] | None = None) -> None:
     params, task, section, instance = upstream_stage_args(argv, "rm")
-    if not section.learned_reward:
+    if not TASKS[task].learned_reward:
         sys.exit(f"error: task {task!r} scores with its verifier; it has no reward-model stage")
     device = setup()
     grammar = load_task(load_checkpoint(data_path(task, instance)))

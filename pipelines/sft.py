@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ablations.experiment import TaskSection
+from ablations.section import TaskSection
 from pipelines import tracking
 from pipelines.common import (
     build_lm,

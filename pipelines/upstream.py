@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ablations.experiment import Experiment
+from ablations.tasks import TASKS
 from pipelines import data, rm, sft
 from pipelines.common import load_task
 from rlhf.model import ScalarModel, TinyLM
@@ -20,7 +21,7 @@ def build_upstream(
     instance_data = data.build(task_name, section.task, instance)
     task = load_task(instance_data)
     sft_model, _, sft_metrics, _ = sft.fit(section, instance, instance_data, device)
-    if task.reward != "learned":
+    if not TASKS[task_name].learned_reward:
         return instance_data, task, sft_model, None, {"sft": sft_metrics}
     reward_model, rm_metrics, _ = rm.fit(section, instance, task, sft_model, device)
     return instance_data, task, sft_model, reward_model, {"sft": sft_metrics, "rm": rm_metrics}

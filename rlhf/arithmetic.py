@@ -264,3 +264,20 @@ class Arithmetic:
 
 def _is_digit(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens >= DIGIT0) & (tokens < DIGIT0 + 10)
+
+
+def build_arithmetic(seed: int, *, n_demos: int, n_train_prompts: int, n_eval_prompts: int, **fields) -> dict:
+    """Arithmetic instance ``seed`` (it also seeds the split of operand pairs; ``fields``: the other fields of
+    ``Arithmetic``): demonstrations of both operations, RL prompts (addition), held-out additions and held-out
+    subtractions (the OOD set)."""
+    task = Arithmetic(split_seed=seed, **fields)
+    g = torch.Generator().manual_seed(seed)
+    demo_prompts, demo_responses = task.demonstrations(n_demos, g)
+    return {
+        "task": task,
+        "demo_prompts": demo_prompts,
+        "demo_responses": demo_responses,
+        "train_prompts": task.sample_prompts("train", n_train_prompts, g),
+        "eval_prompts": task.sample_prompts("eval", n_eval_prompts, g),
+        "ood_prompts": task.sample_prompts("ood", n_eval_prompts, g),
+    }

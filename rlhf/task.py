@@ -259,3 +259,18 @@ def gold_ordered(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Ten
     better = torch.where(a_wins, responses_a, responses_b)[keep]
     worse = torch.where(a_wins, responses_b, responses_a)[keep]
     return prompts[keep], better, worse
+
+
+def build_grammar(seed: int, *, n_demos: int, n_train_prompts: int, n_eval_prompts: int, **language) -> dict:
+    """Grammar instance ``seed`` (``language``: the other arguments of ``make_grammar``): the language,
+    demonstrations drawn from it, RL and held-out prompts."""
+    grammar = make_grammar(seed, **language)
+    g = torch.Generator().manual_seed(seed)
+    demo_prompts = sample_prompts(grammar, n_demos, g)
+    return {
+        "task": grammar,
+        "demo_prompts": demo_prompts,
+        "demo_responses": sample_responses(grammar, demo_prompts, g),
+        "train_prompts": sample_prompts(grammar, n_train_prompts, g),
+        "eval_prompts": sample_prompts(grammar, n_eval_prompts, g),
+    }

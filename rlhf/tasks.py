@@ -1,4 +1,6 @@
-"""The built-in tasks by name, and the plain-data form a task instance is stored in (``dataclasses.asdict``).
+"""The built-in tasks by name, registered in one place: each task's class, how an instance is built, and the
+plain-data form an instance is stored in (``dataclasses.asdict``). ablations/tasks.py registers the same names with
+their params.yaml sections.
 
 grammar     RLHF: a bigram language with an exact gold reward that a learned proxy only approximates
             (rlhf/task.py)
@@ -8,11 +10,33 @@ arithmetic  RLVR: fixed-width addition scored by an exact verifier, subtraction 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from rlhf.arithmetic import Arithmetic
-from rlhf.task import Grammar, Task
+from rlhf.arithmetic import Arithmetic, build_arithmetic
+from rlhf.task import Grammar, Task, build_grammar
 
-TASKS: dict[str, type] = {"grammar": Grammar, "arithmetic": Arithmetic}
+
+@dataclasses.dataclass(frozen=True)
+class TaskKind:
+    """A task: its class (``rlhf.task.Task``; ``cls.reward`` is "learned" for a task scored by a reward model,
+    "verifier" otherwise) and ``build(seed, **values)``, the instance ``seed`` from the values of params.yaml's
+    ``<task>.task`` section: {"task": the instance, "demo_prompts", "demo_responses", "train_prompts",
+    "eval_prompts"} and, for a task with an out-of-domain set, "ood_prompts"."""
+
+    cls: type
+    build: Callable[..., dict]
+
+
+TASKS: dict[str, TaskKind] = {
+    "grammar": TaskKind(Grammar, build_grammar),
+    "arithmetic": TaskKind(Arithmetic, build_arithmetic),
+}
+
+
+def build_instance(name: str, seed: int, values: dict) -> dict:
+    """Instance ``seed`` of task ``name`` as tensors and numbers, the task itself as ``task_state``."""
+    data = TASKS[name].build(seed, **values)
+    return {**data, "task": task_state(name, data["task"])}
 
 
 def task_state(name: str, task: Task) -> dict:
@@ -24,4 +48,4 @@ def task_from_state(state: dict) -> Task:
     """The task instance ``task_state`` wrote."""
     if state.get("name") not in TASKS:
         raise ValueError(f"unknown task {state.get('name')!r}; allowed: {', '.join(TASKS)}")
-    return TASKS[state["name"]](**state["fields"])
+    return TASKS[state["name"]].cls(**state["fields"])

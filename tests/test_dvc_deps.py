@@ -41,10 +41,11 @@ def stage_groups() -> list[tuple[str, str, list[Path]]]:
     import yaml
     from dvc.repo import Repo
 
+    from ablations.tasks import TASKS
     from tests.conftest import repo_params
 
     p = repo_params()
-    for task in ("grammar", "arithmetic"):
+    for task in TASKS:
         p[task]["coefs"], p[task]["kl_targets"] = [0.1], [2.0]
     groups = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,6 +24,7 @@ from ablations.grid import (
     upstream_chains,
     upstream_stages,
 )
+from ablations.tasks import TASKS
 
 from ..conftest import REPO, repo_params
 
@@ -78,19 +79,18 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
     theirs = dvc_stage_names(tmp_path, text)
     assert ours <= theirs, sorted(ours - theirs)[:5]
     upstream = set()
-    for prefix, kinds in (("grammar", ("data", "sft", "rm")), ("arithmetic", ("data", "sft"))):
-        section = getattr(params, prefix)
+    for prefix, spec in TASKS.items():
+        kinds, section = ("data", "sft", "rm") if spec.learned_reward else ("data", "sft"), getattr(params, prefix)
         upstream |= {f"{prefix}_{s}@{i}" for s in kinds for i in section.instances}
         upstream |= {f"{prefix}_calibration_{s}@{i}" for s in kinds for i in section.calibration.instances}
     assert {s for chain in upstream_chains(params) for s in chain} == upstream
-    assert theirs - ours == upstream | {"grammar_calibrate", "arithmetic_calibrate", "grammar_analysis",
-                                        "arithmetic_analysis"}  # fmt: skip
-    assert calibrate_stages(params) == ["grammar_calibrate", "arithmetic_calibrate"]
+    assert theirs - ours == upstream | {f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")}
+    assert calibrate_stages(params) == [f"{t}_calibrate" for t in TASKS]
     assert {s.split("@")[0] for s in upstream} == set(upstream_stages(params)) | {
-        f"{t}_{p}{k}" for t in ("grammar", "arithmetic") for p in ("", "calibration_") for k in ("data", "sft")
+        f"{t}_{p}{k}" for t in TASKS for p in ("", "calibration_") for k in ("data", "sft")
     }
     kinds = {c.group for c in cells(params)}
-    assert kinds == {f"{t}_{k}" for t in ("grammar", "arithmetic") for k in
+    assert kinds == {f"{t}_{k}" for t in params.tasks() for k in
                      ("calibration_baseline", "calibration", "baseline", "design")} | {"grammar_fixed",
                                                                                         "grammar_matched"}  # fmt: skip
 

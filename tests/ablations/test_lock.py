@@ -160,11 +160,13 @@ def test_watched_keys_of_the_repository_cover_the_hand_picked_protocol():
     """Catches: the derived list watching less than the hand-picked one it replaces (analysis, coefs, KL targets,
     the matched-KL controller), for each task of the real dvc.yaml."""
     root = Path(__file__).resolve().parents[2]
-    for task in ("grammar", "arithmetic"):
+    from ablations.tasks import TASKS
+
+    for task in TASKS:
         keys = watched_keys(root / "dvc.yaml", [f"{task}_"])
         for wanted in ["analysis", f"{task}.coefs", f"{task}.kl_targets", "grid.matched", f"{task}.ppo"]:
             assert any(wanted == k or wanted.startswith(k + ".") for k in keys), (task, wanted, keys)
-        assert not any(k.startswith("arithmetic" if task == "grammar" else "grammar") for k in keys)
+        assert not any(k.startswith(f"{other}.") for other in TASKS if other != task for k in keys)
 
 
 # --- watched files, keys of other files, amendments keep the earlier results --------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ablations.tasks import TASKS
 from pipelines import run
 from tests.pipelines.tiny import TINY
 
@@ -54,11 +55,9 @@ CASES = [
     (
         "no instances at all",
         lambda p: [
-            p[t].update(instances=[], calibration={**p[t]["calibration"], "instances": []})
-            for t in p
-            if t in ("grammar", "arithmetic")
+            p[t].update(instances=[], calibration={**p[t]["calibration"], "instances": []}) for t in p if t in TASKS
         ],
-        "no task runs: give at least one of grammar, arithmetic instances",
+        f"no task runs: give at least one of {', '.join(TASKS)} instances",
     ),
     (
         "pretrained path that does not exist",

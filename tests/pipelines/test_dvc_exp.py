@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from ablations.tasks import TASKS
 from tests.conftest import repo_params
 from tests.helpers import REPO
 from tests.pipelines.tiny import TINY, make_repo, sh
@@ -16,7 +17,7 @@ from tests.pipelines.tiny import TINY, make_repo, sh
 
 def test_each_analysis_stage_declares_its_stats_as_metrics():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    for task in ("grammar", "arithmetic"):
+    for task in TASKS:
         metrics = [next(iter(m)) if isinstance(m, dict) else m for m in stages[f"{task}_analysis"]["metrics"]]
         assert f"reports/{task}/stats.json" in metrics
 
