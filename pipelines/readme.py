@@ -8,7 +8,9 @@ so links in answer.md must be relative to the repository root (``reports/grammar
     python -m pipelines.readme --check    # exit 1, with one line, if README.md's block is not the generated one
 
 :func:`numbers_not_in_reports` checks the rest of the answer section (the hand-written words around the block): every
-number in it must occur in a report file, so no number in the README's answer is one the reports do not show.
+number in it must occur in a report file, so no number in the README's answer is one the reports do not show. The
+README's section on the KL variants is checked the same way against the variants profile's reports
+(``CHECKED_SECTIONS``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ END = "<!-- answer:end -->"
 README = Path("README.md")
 REPORTS_DIR = Path("reports")
 ANSWER_HEADING = "## The current answer"
+# README sections whose every number must come from a report, and the reports they may come from
+VARIANTS_HEADING = "## The KL variants (exploratory, profile `variants`)"
+CHECKED_SECTIONS = {ANSWER_HEADING: REPORTS_DIR, VARIANTS_HEADING: Path("docs/profiles/variants")}
 REPORT_FILES = ("report.md", "answer.md", "stats.json", "comparisons.csv", "runs.csv")  # where numbers may come from
 
 # a number token: 0.92, −0.42, +1.36, 24, 1,000, 3.1%; not part of a word (k1, Q2, 1dba9c4, 100k) or of another number
@@ -67,14 +72,14 @@ def block(tasks: Sequence[str], reports_dir: Path | str = REPORTS_DIR) -> str:
     return "\n\n".join(parts) + "\n" if parts else ""
 
 
-def answer_section(readme_text: str) -> str:
-    """The README's lines from the line "## The current answer" up to the next line starting with "## "
-    (ValueError when there is no such heading)."""
+def answer_section(readme_text: str, heading: str = ANSWER_HEADING) -> str:
+    """The README's lines from the line ``heading`` ("## The current answer") up to the next line starting with
+    "## " (ValueError when there is no such heading)."""
     lines = readme_text.splitlines()
     try:
-        start = next(i for i, line in enumerate(lines) if line.rstrip() == ANSWER_HEADING)
+        start = next(i for i, line in enumerate(lines) if line.rstrip() == heading)
     except StopIteration:
-        raise ValueError(f"README has no line {ANSWER_HEADING!r}") from None
+        raise ValueError(f"README has no line {heading!r}") from None
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     return "\n".join(lines[start:end])
 
@@ -101,18 +106,20 @@ def _near(values: list[float], lo: float, hi: float) -> bool:
     return i < len(values) and values[i] <= hi
 
 
-def numbers_not_in_reports(readme_text: str, reports_dir: Path | str = REPORTS_DIR) -> list[str]:
-    """Every number token of the README's answer section (as written, in order of first occurrence, each once) that
-    the report files (``REPORT_FILES``, anywhere under ``reports_dir``) do not show. The unicode minus is read as '-'
-    and a leading '+' dropped. An integer (24, 1,000) or a percentage (14%) must occur whole in a report (24 is not
-    in 2024 or 0.243; 14% may also be a fraction 0.14 at two more decimals); a number with decimals (0.92, -0.42) may
-    be a report's number rounded to its decimals (0.92 from 0.924, not from 10.92 or 0.9); an unsigned one matches
-    either sign (+1.36 from "Δ -1.361", a difference written the other way round), a negative one only negatives.
-    Numbers in link targets and the bare integers 1-4 (Q1..Q4) are ignored. ValueError when the README has no
-    answer section."""
+def numbers_not_in_reports(
+    readme_text: str, reports_dir: Path | str = REPORTS_DIR, heading: str = ANSWER_HEADING
+) -> list[str]:
+    """Every number token of the README's section ``heading`` (default: the answer section), as written, in order of
+    first occurrence, each once, that the report files (``REPORT_FILES``, anywhere under ``reports_dir``) do not show.
+    The unicode minus is read as '-' and a leading '+' dropped. An integer (24, 1,000) or a percentage (14%) must occur
+    whole in a report (24 is not in 2024 or 0.243; 14% may also be a fraction 0.14 at two more decimals); a number with
+    decimals (0.92, -0.42) may be a report's number rounded to its decimals (0.92 from 0.924, not from 10.92 or 0.9); an
+    unsigned one matches either sign (+1.36 from "Δ -1.361", a difference written the other way round), a negative one
+    only negatives. Numbers in link targets and the bare integers 1-4 (Q1..Q4) are ignored. ValueError when the README
+    has no such section."""
     corpus, values = _report_numbers(reports_dir)
     whole = lambda f: re.search(rf"(?<![\d.]){re.escape(f)}(?!\.?\d)", corpus) is not None
-    text = LINK_TARGET.sub("]", answer_section(readme_text))
+    text = LINK_TARGET.sub("]", answer_section(readme_text, heading))
     missing: list[str] = []
     for token in dict.fromkeys(m.group() for m in NUMBER.finditer(text)):
         n = token.replace("−", "-").removeprefix("+")

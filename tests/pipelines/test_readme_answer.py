@@ -13,6 +13,7 @@ import pytest
 from ablations.config import TASKS
 from pipelines.readme import (
     BEGIN,
+    CHECKED_SECTIONS,
     END,
     answer_section,
     block,
@@ -157,6 +158,7 @@ def test_numbers_are_read_only_where_they_are_claims(tmp_path):
     )
     assert answer_section(readme).startswith("## The current answer") and "0.888" not in answer_section(readme)
     assert numbers_not_in_reports(readme, tmp_path / "reports") == ["0.55", "77"]
+    assert numbers_not_in_reports(readme, tmp_path / "reports", "## Next") == ["0.888"]  # another checked section
     with pytest.raises(ValueError, match="The current answer"):
         numbers_not_in_reports("# T\n\n## Other\n\n0.5\n", tmp_path / "reports")
 
@@ -183,5 +185,7 @@ def test_readme_answer_is_generated_from_reports():
     generated = block(TASKS, ROOT / "reports")
     assert generated, "README.md has answer markers but no reports/<task>/answer.md exists"
     assert splice(text, generated) == text, "README.md's answer block is stale: run python -m pipelines.readme"
-    assert numbers_not_in_reports(text, ROOT / "reports") == [], "numbers in README's answer that no report shows"
+    for heading, reports in CHECKED_SECTIONS.items():  # the answer; the variants section against the profile's
+        missing = numbers_not_in_reports(text, ROOT / reports, heading)
+        assert missing == [], f"numbers in README's {heading!r} that no report in {reports} shows"
     assert broken_links(generated, ROOT) == [], "links in the generated answer that point nowhere from README.md"
