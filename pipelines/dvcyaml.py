@@ -47,6 +47,48 @@ HEADER = """\
 stages:
 """
 
+# a cell's dependencies: its import closure (tests/test_dvc_deps.py), its instance's data and models; the first cell
+# stage (calibration_baseline) anchors them, the others refer to the anchor
+CELL_DEPS = """\
+    deps: &<task>_cell_deps
+      - rlhf
+      - ablations/__init__.py
+      - ablations/experiment.py
+      - ablations/grid.py
+      - ablations/section.py
+      - ablations/tasks.py
+      - pipelines/__init__.py
+      - pipelines/cpu.py
+      - pipelines/common.py
+      - pipelines/tracking.py
+      - pipelines/plots.py
+      - pipelines/ppo.py
+      - data/<task>/${item.instance}/task.pt
+      - models/<task>/${item.instance}/sft.pt
+      - models/<task>/${item.instance}/rm.pt  #rm
+"""
+CELL_OUTPUTS = """\
+    outs:
+      - runs/<task>/<kind>/${key}/history.csv
+      - runs/<task>/<kind>/${key}/curves.png
+      - runs/<task>/<kind>/${key}/diagnostics.csv
+    plots:
+      - runs/<task>/<kind>/${key}/evals.csv: {x: iteration, y: gold}
+    metrics:
+      - runs/<task>/<kind>/${key}/summary.json
+"""
+
+
+def cell(kind: str, comment: str, matrix: list[str], key: str, params: str, deps: str = "") -> str:
+    """The template of a grid-cell stage kind (pipelines/ppo.py): its matrix axes, the stage key after ``@`` (as
+    ablations/grid.py names it), its params; ``deps`` written out, or by default the anchored cell deps."""
+    axes = "".join(f"      {axis}\n" for axis in matrix)
+    deps = deps or "    deps: *<task>_cell_deps\n"
+    head = f"  <task>_{kind}:{comment}\n    matrix:\n{axes}"
+    cmd = f"    cmd: python -m pipelines.ppo <task>_{kind}@{key}\n"
+    return head + cmd + deps + f"    {params}\n" + CELL_OUTPUTS.replace("<kind>", kind)
+
+
 STAGES = {  # one template per stage kind, in dvc.yaml's order
     "data": """\
   <task>_data: &<task>_data
@@ -132,59 +174,26 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     matrix:
       instance: ${<task>.calibration.instances}
 """,
-    "calibration_baseline": """\
-  <task>_calibration_baseline:     # the no-KL arm on the calibration instances
-    matrix:
-      instance: ${<task>.calibration.instances}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_calibration_baseline@${item.instance}-${item.seed}
-    deps: &<task>_cell_deps
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/grid.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
-      - pipelines/tracking.py
-      - pipelines/plots.py
-      - pipelines/ppo.py
-      - data/<task>/${item.instance}/task.pt
-      - models/<task>/${item.instance}/sft.pt
-      - models/<task>/${item.instance}/rm.pt  #rm
-    params: [<task>.ppo]
-    outs:
-      - runs/<task>/calibration_baseline/${key}/history.csv
-      - runs/<task>/calibration_baseline/${key}/curves.png
-      - runs/<task>/calibration_baseline/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/calibration_baseline/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/calibration_baseline/${key}/summary.json
-""",
-    "calibration": """\
-  <task>_calibration:     # each calibration arm at each calibration coefficient
-    matrix:
-      instance: ${<task>.calibration.instances}
-      arm: ${grid.calibration_arms}
-      coef: ${<task>.calibration.coefs}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_calibration@${item.instance}-${item.arm}-${item.coef}-${item.seed}
-    deps: *<task>_cell_deps
-    params:
-      - <task>.ppo
-      - grid.arms.${item.arm}
-    outs:
-      - runs/<task>/calibration/${key}/history.csv
-      - runs/<task>/calibration/${key}/curves.png
-      - runs/<task>/calibration/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/calibration/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/calibration/${key}/summary.json
-""",
+    "calibration_baseline": cell(
+        "calibration_baseline",
+        "     # the no-KL arm on the calibration instances",
+        ["instance: ${<task>.calibration.instances}", "seed: ${grid.seeds}"],
+        "${item.instance}-${item.seed}",
+        "params: [<task>.ppo]",
+        deps=CELL_DEPS,
+    ),
+    "calibration": cell(
+        "calibration",
+        "     # each calibration arm at each calibration coefficient",
+        [
+            "instance: ${<task>.calibration.instances}",
+            "arm: ${grid.calibration_arms}",
+            "coef: ${<task>.calibration.coefs}",
+            "seed: ${grid.seeds}",
+        ],
+        "${item.instance}-${item.arm}-${item.coef}-${item.seed}",
+        "params:\n      - <task>.ppo\n      - grid.arms.${item.arm}",
+    ),
     "calibrate": """\
   <task>_calibrate:       # fixes margins, KL target, coefficients and the control on the calibration cells only
     cmd: python -m pipelines.calibrate <task>
@@ -209,100 +218,35 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     outs:
       - protocol/<task>.json: {cache: false}
 """,
-    "baseline": """\
-  <task>_baseline:     # the no-KL arm
-    matrix:
-      instance: ${<task>.instances}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_baseline@${item.instance}-${item.seed}
-    deps: *<task>_cell_deps
-    params: [<task>.ppo]
-    outs:
-      - runs/<task>/baseline/${key}/history.csv
-      - runs/<task>/baseline/${key}/curves.png
-      - runs/<task>/baseline/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/baseline/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/baseline/${key}/summary.json
-""",
-    "design": """\
-  <task>_design:       # each grid.design entry: an arm at the value calibration fixed for its role
-    matrix:
-      instance: ${<task>.instances}
-      cell: ${grid.design}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_design@${item.instance}-${item.cell}-${item.seed}
-    deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/grid.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
-      - pipelines/tracking.py
-      - pipelines/plots.py
-      - pipelines/ppo.py
-      - data/<task>/${item.instance}/task.pt
-      - models/<task>/${item.instance}/sft.pt
-      - models/<task>/${item.instance}/rm.pt  #rm
-      - protocol/<task>.json
-    params: [<task>.ppo, grid.arms, grid.matched]
-    outs:
-      - runs/<task>/design/${key}/history.csv
-      - runs/<task>/design/${key}/curves.png
-      - runs/<task>/design/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/design/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/design/${key}/summary.json
-""",
-    "fixed": """\
-  <task>_fixed:        # exploratory: each arm at each of <task>.coefs
-    matrix:
-      instance: ${<task>.instances}
-      arm: ${grid.arms}
-      coef: ${<task>.coefs}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_fixed@${item.instance}-${item.arm}-${item.coef}-${item.seed}
-    deps: *<task>_cell_deps
-    params:
-      - <task>.ppo
-      - grid.arms.${item.arm}
-    outs:
-      - runs/<task>/fixed/${key}/history.csv
-      - runs/<task>/fixed/${key}/curves.png
-      - runs/<task>/fixed/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/fixed/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/fixed/${key}/summary.json
-""",
-    "matched": """\
-  <task>_matched:      # exploratory: each arm steered to each of <task>.kl_targets
-    matrix:
-      instance: ${<task>.instances}
-      arm: ${grid.arms}
-      target: ${<task>.kl_targets}
-      seed: ${grid.seeds}
-    cmd: python -m pipelines.ppo <task>_matched@${item.instance}-${item.arm}-${item.target}-${item.seed}
-    deps: *<task>_cell_deps
-    params:
-      - <task>.ppo
-      - grid.arms.${item.arm}
-      - grid.matched
-    outs:
-      - runs/<task>/matched/${key}/history.csv
-      - runs/<task>/matched/${key}/curves.png
-      - runs/<task>/matched/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/matched/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
-      - runs/<task>/matched/${key}/summary.json
-""",
+    "baseline": cell(
+        "baseline",
+        "     # the no-KL arm",
+        ["instance: ${<task>.instances}", "seed: ${grid.seeds}"],
+        "${item.instance}-${item.seed}",
+        "params: [<task>.ppo]",
+    ),
+    "design": cell(
+        "design",
+        "       # each grid.design entry: an arm at the value calibration fixed for its role",
+        ["instance: ${<task>.instances}", "cell: ${grid.design}", "seed: ${grid.seeds}"],
+        "${item.instance}-${item.cell}-${item.seed}",
+        "params: [<task>.ppo, grid.arms, grid.matched]",
+        deps=CELL_DEPS.replace(" &<task>_cell_deps", "") + "      - protocol/<task>.json\n",
+    ),
+    "fixed": cell(
+        "fixed",
+        "        # exploratory: each arm at each of <task>.coefs",
+        ["instance: ${<task>.instances}", "arm: ${grid.arms}", "coef: ${<task>.coefs}", "seed: ${grid.seeds}"],
+        "${item.instance}-${item.arm}-${item.coef}-${item.seed}",
+        "params:\n      - <task>.ppo\n      - grid.arms.${item.arm}",
+    ),
+    "matched": cell(
+        "matched",
+        "      # exploratory: each arm steered to each of <task>.kl_targets",
+        ["instance: ${<task>.instances}", "arm: ${grid.arms}", "target: ${<task>.kl_targets}", "seed: ${grid.seeds}"],
+        "${item.instance}-${item.arm}-${item.target}-${item.seed}",
+        "params:\n      - <task>.ppo\n      - grid.arms.${item.arm}\n      - grid.matched",
+    ),
     "analysis": """\
   <task>_analysis:
     cmd: python -m pipelines.analysis <task>
