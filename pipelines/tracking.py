@@ -28,6 +28,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ablations.tasks import TASKS
+
 STAGE_TAG = "dvc_stage"
 REPO_TAG = "repo_root"  # the repository a run belongs to: one MLflow store may serve several (MLFLOW_TRACKING_URI)
 ROOT = Path.cwd()  # stages run from the repo root (dvc.yaml's wdir)
@@ -270,29 +272,35 @@ def log_final(client, run_id: str, values: dict) -> None:
 
 DESCRIPTION_TAG = "mlflow.note.content"  # the experiment description, markdown
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # + view id: a saved view of the runs page (UI state as JSON)
-CURVES_VIEW = "training-curves"  # id of the saved view opened by view_path()
-CURVES_VIEW_NAME = "Training curves by arm"
+CURVES_VIEW = "training-curves"  # + "-<task>": id of a task's saved view, opened by view_path()
+CURVES_VIEW_NAME = "Training curves by arm"  # + ": <task>"
 FIRST_CHARTS = ("eval/gold", "eval/kl")  # first charts of the saved view, in this order
-GROUP_BY_TAGS = ("task", "arm")  # run tags the saved view groups runs by (mean curve per group)
+GROUP_BY_TAGS = ("arm",)  # run tags a task's saved view groups its runs by (mean curve per group)
 # Chart sections of the saved view, in order: MLflow files a metric under its key up to the last "/" ("Model
 # metrics" when there is none); sections it finds later (new metric prefixes) are appended after these.
 SECTIONS = ("eval", "train", "Model metrics", "System metrics")
 
 
-def view_path(experiment_id: str) -> str:
-    """The web app's route (after the server address) of the experiment's training-curves view: the *Model
-    training* workflow (the bare experiment route opens the GenAI overview), chart mode, the saved view."""
+def view_id(task: str) -> str:
+    return f"{CURVES_VIEW}-{task}"
+
+
+def view_path(experiment_id: str, task: str) -> str:
+    """The web app's route (after the server address) of a task's training-curves view: the *Model training*
+    workflow (the bare experiment route opens the GenAI overview), chart mode, the task's saved view (its runs
+    filter is in the view: a search parameter in the route would make the web app ignore the saved view)."""
     return (
         f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
-        f"&viewStateShareKey={CURVES_VIEW}"
+        f"&viewStateShareKey={view_id(task)}"
     )
 
 
-def description(experiment_id: str) -> str:
+def description(experiment_id: str, tasks=TASKS) -> str:
     """The experiment description (markdown). The UI shows only its first paragraph until expanded, so that one
-    fits a line: where the answer is, and a link to the training-curves view."""
-    return f"""**Does it matter where the KL penalty goes?** The answer: `reports/<task>/report.md` (artifact of \
-each `<task>_analysis` run). Start with the [training curves by arm]({view_path(experiment_id)}).
+    fits a line: where the answer is, and a link to each task's training-curves view."""
+    views = ", ".join(f"[{task}]({view_path(experiment_id, task)})" for task in tasks)
+    return f"""**Does it matter where the KL penalty goes?** Answer: `reports/<task>/report.md` (`<task>_analysis` \
+runs). Training curves by arm: {views}.
 
 - **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`), nested under the run of the \
 sweep (`make repro`, tag `sweep`) that ran it; a stage run by plain `dvc repro` is a top-level run. Re-running a stage \
@@ -309,10 +317,11 @@ table (`comparisons.json`: *View as table*).
 """
 
 
-def curves_view_state() -> dict:
-    """The runs-page UI state of the training-curves view, in the MLflow 3.17 web app's format (fields of its
-    ``ExperimentPageUIState``; the web app fills in every field left out with its default): chart mode is set by
-    the URL, this sets the charts, their sections and the grouping."""
+def curves_view_state(task: str) -> dict:
+    """The runs-page state of a task's training-curves view, in the MLflow 3.17 web app's format (the search facet
+    ``searchFilter`` and fields of its ``ExperimentPageUIState``; the web app fills in every field left out with its
+    default): chart mode is set by the URL, this sets the task's runs, the charts, their sections and the grouping
+    by arm, so the first chart compares the arms of one task."""
     sections = [
         {"uuid": f"section-{i}", "name": name, "display": True, "isReordered": True, "deleted": False}
         for i, name in enumerate(SECTIONS)
@@ -338,6 +347,7 @@ def curves_view_state() -> dict:
         for key in FIRST_CHARTS
     ]
     return {
+        "searchFilter": f"tags.task = '{task}'",
         "compareRunCharts": charts,
         "compareRunSections": sections,
         "isAccordionReordered": True,  # keep SECTIONS' order (the web app would sort them by name)
@@ -350,16 +360,13 @@ def curves_view_state() -> dict:
     }
 
 
-def describe(client, experiment) -> None:
-    """Sets the experiment's description and training-curves view; writes only what differs, so the parallel
-    stages of a grid, which all call this, write nothing once the first one has."""
-    tags = {
-        DESCRIPTION_TAG: description(experiment.experiment_id),
-        # a saved view: {"name", "createdAt" (ms), "state": the UI state as a JSON string}
-        VIEW_TAG_PREFIX + CURVES_VIEW: json.dumps(
-            {"name": CURVES_VIEW_NAME, "createdAt": 0, "state": json.dumps(curves_view_state())}
-        ),
-    }
+def describe(client, experiment, tasks=TASKS) -> None:
+    """Sets the experiment's description and each task's training-curves view; writes only what differs, so the
+    parallel stages of a grid, which all call this, write nothing once the first one has."""
+    tags = {DESCRIPTION_TAG: description(experiment.experiment_id, tasks)}
+    for task in tasks:  # a saved view: {"name", "createdAt" (ms), "state": the UI state as a JSON string}
+        view = {"name": f"{CURVES_VIEW_NAME}: {task}", "createdAt": 0, "state": json.dumps(curves_view_state(task))}
+        tags[VIEW_TAG_PREFIX + view_id(task)] = json.dumps(view)
     for key, value in tags.items():
         if experiment.tags.get(key) != value:
             client.set_experiment_tag(experiment.experiment_id, key, value)
@@ -402,7 +409,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"no experiment {name!r} in {uri} yet: run the pipeline first (`make repro`)")
         return
     describe(client, exp)
-    print(f"Experiment {name!r}, training curves by arm: {args.url.rstrip('/')}/{view_path(exp.experiment_id)}")
+    for task in TASKS:
+        url = f"{args.url.rstrip('/')}/{view_path(exp.experiment_id, task)}"
+        print(f"Experiment {name!r}, training curves by arm of task {task}: {url}")
 
 
 if __name__ == "__main__":

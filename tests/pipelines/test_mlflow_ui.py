@@ -38,6 +38,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 EXPERIMENT = "kl-placement"  # as in params.yaml, for the screenshot
 # (arm, coef, seed) of the grid cells; "none" is the no-KL baseline. Tags as pipelines/ppo.py sets them.
 CELLS = [("reward_k1", 0.1, 0), ("reward_k1", 0.1, 1), ("loss_k1", 0.1, 0), ("loss_k2", 0.1, 0), ("none", 0.0, 0)]
+OTHER_TASK_CELL = ("arith_k1", 0.3, 0)  # a cell of another task, which the grammar view must leave out
 EVAL_KEYS = ["gold", "proxy", "kl", "entropy", "length", "illegal"]  # rlhf/evaluate.py
 TRAIN_KEYS = ["kl_coef", "pg_loss", "vf_loss", "score", "gold_train"]
 ITERATIONS = 7  # eval steps per cell
@@ -65,7 +66,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
     """Made-up but typical curves: without KL gold rises then falls as KL grows; other arms differ a little."""
-    strength = {"none": 0.0, "reward_k1": 1.0, "loss_k1": 0.6, "loss_k2": 0.8}[arm]
+    strength = {"none": 0.0, "reward_k1": 1.0, "loss_k1": 0.6, "loss_k2": 0.8, "arith_k1": 0.9}[arm]
     evals, history = [], []
     for i in range(ITERATIONS):
         kl = (0.4 + 0.6 * (1 - strength)) * i * i / 4
@@ -94,10 +95,10 @@ def store(tmp_path_factory) -> dict:
         with tracking.stage_run("sft", EXPERIMENT, {"sft": {"steps": 40}}) as (client, rid):
             tracking.log_metrics(client, rid, [{"step": i, "train_loss": 3 / (1 + i)} for i in range(40)], "", "step")
             runs["sft"] = rid
-        for k, (arm, coef, seed) in enumerate(CELLS):
+        for k, (arm, coef, seed) in enumerate([*CELLS, OTHER_TASK_CELL]):
             stage = f"baseline@{seed}" if arm == "none" else f"ppo@{arm}-{coef}-{seed}"
             tags = {
-                "task": "grammar",
+                "task": "arithmetic" if (arm, coef, seed) == OTHER_TASK_CELL else "grammar",
                 "arm": arm,
                 "coef": coef,
                 "seed": seed,
@@ -248,11 +249,12 @@ def test_runs_table_lists_stage_runs_under_the_description(store, mlflow_ui, bro
         )
         assert link.text.strip() == stage
     curves = wait.until(
-        lambda d: d.find_element(By.LINK_TEXT, "training curves by arm"), "no link to the curves in the description"
+        lambda d: d.find_element(By.LINK_TEXT, "grammar"), "no link to the grammar curves in the description"
     )
     assert curves.is_displayed()  # in the description's first paragraph, shown without expanding it
-    assert curves.get_attribute("href").endswith(tracking.view_path(exp_id))
-    assert "The answer: reports/<task>/report.md" in curves.find_element(By.XPATH, "./ancestor::p").text
+    assert curves.get_attribute("href").endswith(tracking.view_path(exp_id, "grammar"))
+    line = curves.find_element(By.XPATH, "./ancestor::p").text
+    assert "Answer: reports/<task>/report.md" in line and "Training curves by arm: grammar, arithmetic" in line
     screenshot(browser, store, "runs_table.png")
 
 
@@ -270,12 +272,12 @@ def test_default_chart_view_opens_on_the_held_out_curves(store, mlflow_ui, brows
 
 
 def test_curves_view_shows_gold_and_kl_first_grouped_by_arm(store, mlflow_ui, browser):
-    """The view `make ui` prints: first eval/gold, then eval/kl, one mean curve per arm (runs grouped by the arm
-    tag), then the other eval/* charts."""
+    """The view `make ui` prints for a task: first eval/gold, then eval/kl, one mean curve per arm of that task
+    (runs filtered by the task tag, grouped by the arm tag), then the other eval/* charts."""
     from pipelines import tracking
 
     exp_id = store["experiment_id"]
-    browser.get(mlflow_ui + tracking.view_path(exp_id))
+    browser.get(mlflow_ui + tracking.view_path(exp_id, "grammar"))
     cards = WebDriverWait(browser, PAGE_S).until(
         lambda d: drawn_cards(d, len(EVAL_KEYS)), "the training-curves view shows no drawn line charts"
     )
@@ -289,7 +291,9 @@ def test_curves_view_shows_gold_and_kl_first_grouped_by_arm(store, mlflow_ui, br
     page = browser.find_element(By.TAG_NAME, "body").text
     groups = [line for line in page.splitlines() if line.startswith("Group:")]  # the runs list, grouped by task, arm
     assert all(any(arm in g for g in groups) for arm in arms), groups
-    assert "Training curves by arm" in page  # the saved view's name, on the Views button
+    other = OTHER_TASK_CELL[0]
+    assert other not in legend and not any(other in g for g in groups), (legend, groups)  # one task's runs only
+    assert "Training curves by arm: grammar" in page  # the saved view's name, on the Views button
     browser.execute_script("window.scrollTo(0, 0);")
     screenshot(browser, store, "curves_view.png")
 
