@@ -53,7 +53,7 @@ def _rliable(r: dict) -> str:
     return (
         f"; rliable: bootstrap 95% CI of mean Δ {_ci(r['boot_mean_lo'], r['boot_mean_hi'])}, IQM Δ "
         f"{_f(r['boot_iqm'], sign=True)} {_ci(r['boot_iqm_lo'], r['boot_iqm_hi'])}, P({better}) "
-        f"{_f(r['p_improve'])} {_ci(r['p_improve_lo'], r['p_improve_hi'])}"
+        f"{_f(r['p_improve'])} {_ci(r['p_improve_lo'], r['p_improve_hi'], sign=False)}"
     )
 
 
