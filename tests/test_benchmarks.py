@@ -40,6 +40,7 @@ SMOKE = {
     "bench_gpu.py": ["--device", "cpu", "--backends", "tiny", "--workers", "1", "--iterations", "1"],
     "bench_ppo.py": ["--repeats", "1", "--iterations", "4", "--d-model", "8", "--baseline", "HEAD"],
     "bench_workers.py": ["--cells", "1", "--repeats", "1", "--workers", "1"],
+    "compare_lock.py": ["--self-test"],
     "cross_machine.py": ["--smoke"],
     "diagnostics_table.py": ["--warmup", "1", "--n-true", "16", "--n-minibatches", "2"],
     "no_kl_baselines.py": ["grammar", "0"],
