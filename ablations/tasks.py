@@ -32,7 +32,7 @@ class TaskSpec:
 
 
 class GrammarTaskParams(BaseModel):
-    """The synthetic language and its gold reward (rlhf/task.py has the formula); its seed is the task instance."""
+    """The synthetic language and its gold reward (rlhf/grammar.py has the formula); its seed is the task instance."""
 
     model_config = STRICT
     n_words: int = Field(ge=2, le=10_000)
@@ -56,7 +56,7 @@ class GrammarTaskParams(BaseModel):
 
 
 class GrammarParams(TaskSection):
-    """Task 1, RLHF (rlhf/task.py): PPO optimises a proxy reward model trained on gold-labelled preferences, in
+    """Task 1, RLHF (rlhf/grammar.py): PPO optimises a proxy reward model trained on gold-labelled preferences, in
     place of the exact gold reward it approximates. Each instance has its own grammar, prompts, demonstrations, SFT
     model and reward model."""
 

@@ -18,7 +18,7 @@ class Reference(NamedTuple):
     config: PPOConfig  # the task's PPO settings with this KL and seed
 
 
-def reference(params, task: str = "grammar") -> Reference:
+def reference(params, task: str) -> Reference:
     section = getattr(params, task)
     coefs = section.coefs or section.calibration.coefs
     coef, arm, seed = coefs[len(coefs) // 2], params.analysis.reference_arm, params.grid.seeds[0]

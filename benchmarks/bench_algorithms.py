@@ -37,12 +37,12 @@ OUT = Path(__file__).resolve().parent / "out" / "algorithms.json"
 
 def upstream(params, device):
     """(data, task, SFT model, reward model) of grammar instance 0, as the DVC stages make them."""
-    return build_upstream(params, 0, device)[:4]
+    return build_upstream(params, "grammar", 0, device)[:4]
 
 
 def reference_config(params) -> PPOConfig:
     """The run config of the reference arm at the grammar task's middle coefficient, first seed (_reference)."""
-    return reference(params).config
+    return reference(params, "grammar").config
 
 
 def bench(params, task, grammar, sft_model, reward_model, iterations: int, repeats: int, group_size: int, device):

@@ -92,7 +92,7 @@ def worker(args) -> None:
     s = sizes(params)
     task = build_task("grammar", params.grammar.task, 0)
     grammar = load_task(task)
-    cfg = reference(params).config
+    cfg = reference(params, "grammar").config
     if args.iterations is not None:
         cfg = cfg.model_copy(update={"iterations": args.iterations})
     bf16 = args.bf16 and args.backend != "tiny"

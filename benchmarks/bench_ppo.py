@@ -49,7 +49,7 @@ def spec(iterations: int | None, d_model: int | None = None) -> dict:
     from ablations.config import load_params
 
     p = load_params()
-    ref = reference(p)
+    ref = reference(p, "grammar")
     t = p.grammar.task
     grammar = dict(seed=0, **t.model_dump(exclude={"n_demos", "n_train_prompts", "n_eval_prompts"}))
     return {
@@ -75,9 +75,9 @@ def child(workload: dict, profile: bool, compiled: bool = False) -> dict:
     import rlhf
     from pipelines.common import setup
     from rlhf.config import PPOConfig
+    from rlhf.grammar import make_grammar, sample_prompts
     from rlhf.model import ScalarModel, TinyLM
     from rlhf.ppo import train_ppo
-    from rlhf.task import make_grammar, sample_prompts
 
     setup()
     if compiled:

@@ -83,8 +83,8 @@ def child(full: bool) -> dict:
             update={k: getattr(p.grammar, k).model_copy(update=v) for k, v in REDUCED.items()}
         )
         p = p.model_copy(update={"grammar": section})
-    task, grammar, sft_model, reward_model, metrics = build_upstream(p, 0, device)
-    ref = reference(p)
+    task, grammar, sft_model, reward_model, metrics = build_upstream(p, "grammar", 0, device)
+    ref = reference(p, "grammar")
     policy = copy.deepcopy(sft_model)
     out = train_ppo(
         policy,

@@ -37,7 +37,7 @@ def main(task_name: str, instances: list[int]) -> None:
     out = {}
     for i in instances:
         t0 = time.process_time()
-        data, task, sft, rm, metrics = build_upstream(params, i, dev, task_name)
+        data, task, sft, rm, metrics = build_upstream(params, task_name, i, dev)
         t1 = time.process_time()
         cfg = section.ppo_config(no_kl(), 0)
         res = train_ppo(copy.deepcopy(sft), sft, rm, task, data["train_prompts"], eval_sets(data, dev), cfg)

@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     device = setup()
     params = load_params()
-    task, grammar, sft_model, reward_model, metrics = build_upstream(params, 0, device)
+    task, grammar, sft_model, reward_model, metrics = build_upstream(params, "grammar", 0, device)
     table = sanity_table(task, grammar, sft_model, reward_model)
     runs, groups, seconds = {}, {}, {}
     for seed in args.seeds:

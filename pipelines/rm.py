@@ -1,17 +1,29 @@
 """Stage `<task>_rm@<instance>`: pairs of SFT samples labelled by gold, Bradley-Terry proxy -> models/<task>/<i>/rm.pt.
 
-python -m pipelines.rm grammar 0
+    python -m pipelines.rm grammar 0
+
+Any task whose ``reward`` is "learned" (``rlhf.task.LearnedRewardTask``: it draws the pairs' prompts and has a gold
+reward) has this stage; nothing here knows which task it is. metrics/<task>/<i>/rm.json holds the held-out accuracy
+against noiseless gold labels, the labels' agreement with them, the proxy's Pearson and Spearman correlation with
+gold on held-out SFT samples, the mean of each of the task's metrics on the training samples
+(``train_<metric>_fraction``: each is a per-response share) and the last training loss.
+
+The two correlations are computed exactly rounded (``correlation``: float64 products, ``math.fsum``), not with
+numpy's BLAS: BLAS picks its kernel from the CPU (or ``OPENBLAS_CORETYPE``), and scipy's float32 path gave the same
+models a ``pearson_gold`` one float32 step apart on two machines (issue 30); every other number comes from torch on
+the pinned code path (pipelines/cpu.py).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
-from scipy import stats
 from tqdm import tqdm
 
-from ablations.tasks import TASKS, GrammarParams
+from ablations.section import TaskSection
+from ablations.tasks import TASKS
 from pipelines import tracking
 from pipelines.common import (
     data_path,
@@ -29,20 +41,46 @@ from pipelines.common import (
 )
 from rlhf import reward_model as R
 from rlhf.model import TinyLM, generate
-from rlhf.task import EOS, Grammar, gold_ordered, gold_reward, illegal_fraction, preference_pairs, sample_prompts
+from rlhf.task import EOS, LearnedRewardTask, gold_ordered, preference_pairs
 
 
-def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device: torch.device):
+def correlation(x: list[float], y: list[float]) -> float:
+    """Pearson's r of two equally long samples, exactly rounded at each step (float64 deviations and products,
+    ``math.fsum`` for every sum), so that it is the same number on every machine; nan when a sample is constant."""
+    n = len(x)
+    mx, my = math.fsum(x) / n, math.fsum(y) / n
+    dx, dy = [v - mx for v in x], [v - my for v in y]
+    sxy = math.fsum(a * b for a, b in zip(dx, dy))
+    sxx, syy = math.fsum(a * a for a in dx), math.fsum(b * b for b in dy)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def ranks(x: list[float]) -> list[float]:
+    """Average ranks (1-based; ties share the mean of their ranks), as scipy.stats.rankdata."""
+    order = sorted(range(len(x)), key=x.__getitem__)
+    out = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in order[i : j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def fit(section: TaskSection, seed: int, task: LearnedRewardTask, sft: TinyLM, device: torch.device):
     """The proxy reward model of task instance ``seed``. Returns (reward model, metrics, per-step losses)."""
     p = section.rm
     seed = derived_seed(seed, "rm")  # a stream of its own, not the data stage's prompts again
     # 1. pairs of SFT samples for fresh prompts, labelled by a Bradley-Terry draw on gold
     g = torch.Generator(device).manual_seed(seed)
-    prompts = sample_prompts(grammar, p.n_pairs + p.n_heldout_pairs, torch.Generator().manual_seed(seed))
+    prompts = task.preference_prompts(p.n_pairs + p.n_heldout_pairs, torch.Generator().manual_seed(seed))
     prompts = prompts.to(device)
-    a = generate(sft, prompts, grammar.max_new_tokens, 1.0, g, EOS)
-    b = generate(sft, prompts, grammar.max_new_tokens, 1.0, g, EOS)
-    chosen, rejected, agrees = preference_pairs(grammar, prompts, a, b, p.label_noise, g)
+    a = generate(sft, prompts, task.max_new_tokens, 1.0, g, EOS)
+    b = generate(sft, prompts, task.max_new_tokens, 1.0, g, EOS)
+    chosen, rejected, agrees = preference_pairs(task, prompts, a, b, p.label_noise, g)
     n = p.n_pairs
     # 2. Bradley-Terry training from the SFT backbone, then normalisation on SFT samples
     torch.manual_seed(seed)
@@ -55,15 +93,16 @@ def fit(section: GrammarParams, seed: int, grammar: Grammar, sft: TinyLM, device
     R.normalize(rm, prompts[:n], a[:n])
     # 3. held-out: accuracy against noiseless gold labels, correlation with gold on SFT samples
     vp, va = prompts[n:], a[n:]
-    ga = gold_reward(grammar, vp, va)
+    gold = task.gold(vp, va).cpu().tolist()
     with torch.no_grad():
-        proxy = R.score(rm, vp, va).cpu().numpy()
+        proxy = R.score(rm, vp, va).cpu().tolist()
+    train = {f"train_{k}_fraction": v.mean().item() for k, v in task.metrics(prompts[:n], a[:n]).items()}
     metrics = {
-        "heldout_accuracy": R.pairwise_accuracy(rm, *gold_ordered(grammar, vp, va, b[n:])),
+        "heldout_accuracy": R.pairwise_accuracy(rm, *gold_ordered(task, vp, va, b[n:])),
         "label_agreement": agrees[:n].float().mean().item(),
-        "pearson_gold": float(stats.pearsonr(proxy, ga.cpu().numpy()).statistic),
-        "spearman_gold": float(stats.spearmanr(proxy, ga.cpu().numpy()).statistic),
-        "train_illegal_fraction": illegal_fraction(grammar, prompts[:n], a[:n]).mean().item(),
+        "pearson_gold": correlation(proxy, gold),
+        "spearman_gold": correlation(ranks(proxy), ranks(gold)),
+        **train,
         "train_loss_last": losses[-1],
     }
     return rm, metrics, losses
@@ -74,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if not TASKS[task].learned_reward:
         sys.exit(f"error: task {task!r} scores with its verifier; it has no reward-model stage")
     device = setup()
-    grammar = load_task(load_checkpoint(data_path(task, instance)))
+    learned = load_task(load_checkpoint(data_path(task, instance)))
     sft_path = model_path(task, instance, "sft")
     sft = load_lm(sft_path, device)
     set_precision(section.model, sft)
@@ -83,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     cal = "_calibration" if instance in section.calibration.instances else ""  # DVC's name: {task}_calibration_rm@0
     stage = f"{task}{cal}_rm@{instance}"
     with tracking.stage_run(stage, params.mlflow.experiment, config, tags=tags) as (client, rid):
-        rm, metrics, losses = fit(section, instance, grammar, sft, device)
+        rm, metrics, losses = fit(section, instance, learned, sft, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")
         tracking.log_final(client, rid, metrics)
         arch = load_checkpoint(sft_path)["arch"]

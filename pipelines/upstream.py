@@ -13,7 +13,7 @@ from rlhf.task import Task
 
 
 def build_upstream(
-    params: Experiment, instance: int, device: torch.device, task_name: str = "grammar"
+    params: Experiment, task_name: str, instance: int, device: torch.device
 ) -> tuple[dict, Task, TinyLM, ScalarModel | None, dict]:
     """Returns (data, task, SFT model, reward model (None for a verifier task), metrics) of instance ``instance``
     of ``task_name``, as the DVC stages would make them."""

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.grammar import Grammar
 from rlhf.kl import entropy, full_kl, masked_mean
 from rlhf.model import ScalarModel, TinyLM, full_precision, generate, response_logits
 from rlhf.reward_model import score
-from rlhf.task import EOS, N_SPECIAL, Grammar, Task, response_mask
+from rlhf.task import EOS, N_SPECIAL, Task, response_mask
 
 
 @torch.no_grad()

@@ -1,58 +1,34 @@
-"""A synthetic preference task with an exactly computable gold reward that judges content.
+"""What every task shares: the task protocol, the token conventions, and preference pairs labelled by gold.
 
-The reference language is a random sparse bigram chain (a Markov grammar) over ``n_words`` word tokens plus
-two special tokens, BOS and EOS. Each word has ``n_successors`` legal successors among the other words (no word
-may follow itself), with Dirichlet(1) weights, and may end the sentence with probability ``p_eos``. Prompts are
-BOS followed by ``prompt_len - 1`` words of the chain. SFT demonstrations continue the chain as complete
-sentences: at least one word, and EOS within ``max_new_tokens`` (a sentence still going after
-``max_new_tokens - 1`` words ends there).
+A task (``rlhf.grammar.Grammar``: RLHF with a learned proxy; ``rlhf.arithmetic.Arithmetic``: RLVR with a verifier)
+is registered by name in ``rlhf.tasks``. Tokens: BOS = 0 starts every prompt, EOS = 1 ends a response and pads it
+(``response_mask``); a task's own tokens follow. Prompts are (b, prompt_len) long, responses (b, max_new_tokens)
+long, on the device of the inputs.
 
-Gold reward (Gao et al. 2022 use a fixed gold model; ours is a closed form). Every word w has a quality
-quality[w] = quality_mean + z_w, with z_1..z_n drawn once with the grammar from N(0, 1) and standardised under the
-language's long-run word frequencies pi (the stationary distribution of the word chain): sum_w pi_w z_w = 0 and
-sum_w pi_w z_w^2 = 1, so in every grammar seed the words the language actually uses have mean quality exactly
-quality_mean. Grammatical text is worth more the more of it there is, and good words more than bad ones.
-
-For a response y_1..y_L (L counts the tokens up to and including EOS, or ``max_new_tokens`` if EOS never comes),
-with y_0 the last prompt token and T = ``max_new_tokens``:
-
-    gold(y) = (1 / T) * sum_{t=1..L, y_t != EOS} g_t,
-    g_t = quality[y_t]        if y_{t-1} -> y_t is a legal bigram of the grammar,
-    g_t = -illegal_penalty    otherwise.
-
-Saying nothing scores 0; with ``quality_mean`` > 0 an SFT-like response scores about
-(number of words) * quality_mean / T > 0, so silence, truncation, a repeated word (never legal) and random words
-(legal with chance n_successors / n_words) all score below the SFT policy. EOS itself is never scored: whether a
-response ends is the business of the PPO option ``missing_eos_score`` (Huang et al. 2024), not of gold.
-
-Where over-optimisation comes from: preference pairs are sampled from the SFT policy, which almost never
-produces an illegal bigram, so the proxy reward model learns "more words, and better words, are better" and
-never sees the price of ungrammatical text. A policy that maximises the proxy drifts to the best words whether
-or not the grammar allows them in that order; gold first rises (more and better legal words) and then falls
-(illegal bigrams) while responses stay long. Nothing in the proxy is hard-coded to be wrong: the blind spot is a
-property of the data.
+A task whose ``reward`` is "learned" also draws fresh prompts for its reward model's preference pairs
+(``LearnedRewardTask``); the pairs are labelled by a Bradley-Terry draw on its gold reward (``preference_pairs``),
+so the reward-model stage (pipelines/rm.py) needs nothing else from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
 
 BOS, EOS = 0, 1
 N_SPECIAL = 2
-POWER_STEPS = 2000  # power iterations for the word frequencies (the lazy chain has converged to float64 long before)
 
 
 class Task(Protocol):
-    """What training and evaluation need from a task (``Grammar`` below; ``rlhf.arithmetic.Arithmetic``).
+    """What training and evaluation need from a task.
 
     Prompts are (b, prompt_len) long with BOS first; responses (b, max_new_tokens) long, EOS then EOS padding
     (``response_mask``); tokens are ids in [0, vocab_size). ``reward`` says what PPO optimises: "learned" (RLHF: a
     reward model trained on gold-labelled preferences stands in for gold, which it only approximates) or
-    "verifier" (RLVR: ``gold`` itself is the score). ``metrics`` are the task's own per-response measurements
-    (e.g. the share of ungrammatical words, or accuracy and format errors), reported beside gold."""
+    "verifier" (RLVR: ``gold`` itself is the score). ``metrics`` are the task's own per-response measurements, each
+    a share in [0, 1] (e.g. the share of ungrammatical words, or accuracy and format errors), reported beside
+    gold."""
 
     reward: ClassVar[str]
     prompt_len: int
@@ -66,130 +42,11 @@ class Task(Protocol):
     def metrics(self, prompts: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
 
-@dataclass(frozen=True)
-class Grammar:
-    """The reference language and its gold reward. All tensors live on the CPU.
+class LearnedRewardTask(Task, Protocol):
+    """A task scored by a learned reward model (``reward`` "learned"): it also draws the prompts of the reward
+    model's preference pairs, (n, prompt_len) long on the CPU, from a CPU ``generator``."""
 
-    transition: (V, V) next-token probabilities, every row sums to 1 (EOS is absorbing).
-    legal:      (V, V) bool, which bigrams the grammar allows (transition > 0).
-    quality:    (V,) per-token quality used by the gold reward: quality_mean + z per word (z standardised under the
-                language's word frequencies), 0 for BOS/EOS.
-    """
-
-    transition: torch.Tensor
-    legal: torch.Tensor
-    quality: torch.Tensor
-    illegal_penalty: float
-    prompt_len: int
-    max_new_tokens: int
-
-    reward: ClassVar[str] = "learned"  # PPO optimises a proxy reward model trained on gold preferences
-
-    @property
-    def vocab_size(self) -> int:
-        return self.transition.shape[0]
-
-    def gold(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """``gold_reward``: prompts (b, p), responses (b, t) -> (b,)."""
-        return gold_reward(self, prompts, responses)
-
-    def metrics(self, prompts: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{'illegal': share of ungrammatical words per response}, each (b,) (the proxy's blind spot)."""
-        return {"illegal": illegal_fraction(self, prompts, responses)}
-
-
-def make_grammar(
-    seed: int,
-    *,
-    n_words: int,
-    n_successors: int,
-    p_eos: float,
-    quality_mean: float,
-    illegal_penalty: float,
-    prompt_len: int,
-    max_new_tokens: int,
-) -> Grammar:
-    """Draws the random grammar and the gold quality of each word from ``seed`` (every value explicit).
-
-    Each word gets ``n_successors`` legal successors among the *other* words (no word may follow itself) with
-    Dirichlet(1) weights, and quality ``quality_mean + z`` with z ~ N(0, 1) standardised under the language's word
-    frequencies (``word_frequencies``): mean exactly ``quality_mean`` and SD exactly 1 over the words it uses."""
-    if not 1 <= n_successors < n_words:
-        raise ValueError(f"n_successors ({n_successors}) must be in [1, n_words - 1] = [1, {n_words - 1}]")
-    g = torch.Generator().manual_seed(seed)
-    vocab = n_words + N_SPECIAL
-    transition = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for w in range(n_words):
-        others = torch.cat([torch.arange(w), torch.arange(w + 1, n_words)])  # no self-loop
-        succ = others[torch.randperm(n_words - 1, generator=g)[:n_successors]] + N_SPECIAL
-        # Dirichlet(1, ..., 1) weights as normalised Exp(1) draws, taken from our own generator.
-        expo = -torch.log(torch.rand(n_successors, generator=g, dtype=torch.float64))
-        transition[w + N_SPECIAL, succ] = (1.0 - p_eos) * expo / expo.sum()
-        transition[w + N_SPECIAL, EOS] = p_eos
-    transition[BOS, N_SPECIAL:] = 1.0 / n_words  # sentences start at any word
-    transition[EOS, EOS] = 1.0  # absorbing: after EOS comes only EOS padding
-    quality = torch.zeros(vocab, dtype=torch.float64)
-    z = torch.randn(n_words, generator=g, dtype=torch.float64)
-    freq = word_frequencies(transition)  # (n_words,)
-    z = z - (freq * z).sum()
-    quality[N_SPECIAL:] = quality_mean + z / (freq * z.square()).sum().sqrt()  # mean quality_mean, SD 1 under freq
-    return Grammar(
-        transition=transition.float(),
-        legal=transition > 0,
-        quality=quality.float(),
-        illegal_penalty=illegal_penalty,
-        prompt_len=prompt_len,
-        max_new_tokens=max_new_tokens,
-    )
-
-
-def word_frequencies(transition: torch.Tensor) -> torch.Tensor:
-    """Long-run word frequencies of the language: (V, V) transition -> (n_words,) probabilities.
-
-    The stationary distribution pi = pi P of the word chain P (transition between words, renormalised without EOS,
-    which every word reaches with the same probability), reached from the uniform start of a sentence by power
-    iteration on the lazy chain (I + P) / 2 (same stationary distribution, aperiodic)."""
-    words = transition[N_SPECIAL:, N_SPECIAL:].double()
-    chain = words / words.sum(1, keepdim=True)  # (n, n)
-    lazy = 0.5 * (torch.eye(len(chain), dtype=chain.dtype) + chain)
-    pi = torch.full((len(chain),), 1.0 / len(chain), dtype=chain.dtype)
-    for _ in range(POWER_STEPS):
-        pi = pi @ lazy
-    return pi / pi.sum()
-
-
-def sample_prompts(grammar: Grammar, n: int, generator: torch.Generator) -> torch.Tensor:
-    """n prompts of BOS + (prompt_len - 1) words drawn from the chain. Returns (n, prompt_len) long.
-
-    Prompt words never contain EOS: the chain is conditioned on not ending inside the prompt."""
-    words = grammar.transition.clone()
-    words[:, EOS] = 0.0
-    tokens = torch.full((n, grammar.prompt_len), BOS, dtype=torch.long)
-    for i in range(1, grammar.prompt_len):
-        tokens[:, i] = torch.multinomial(words[tokens[:, i - 1]], 1, generator=generator).squeeze(1)
-    return tokens
-
-
-def sample_responses(grammar: Grammar, prompts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Demonstrations: complete sentences that continue each prompt with the grammar. Returns (n, max_new_tokens).
-
-    A demonstration has at least one word (EOS cannot come first: every prompt asks for content) and always ends
-    with EOS within ``max_new_tokens``: a sentence still going after ``max_new_tokens - 1`` words ends there (EOS
-    is legal after every word). After EOS, EOS pads."""
-    n, t_max = prompts.shape[0], grammar.max_new_tokens
-    out = torch.full((n, t_max), EOS, dtype=torch.long)
-    prev, done = prompts[:, -1], torch.zeros(n, dtype=torch.bool)
-    for t in range(t_max - 1):
-        probs = grammar.transition[prev]
-        if t == 0:
-            probs = probs.clone()
-            probs[:, EOS] = 0.0
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
-        out[:, t] = nxt
-        done = done | (nxt == EOS)
-        prev = nxt
-    return out  # the last position stays EOS
+    def preference_prompts(self, n: int, generator: torch.Generator) -> torch.Tensor: ...
 
 
 def response_mask(responses: torch.Tensor) -> torch.Tensor:
@@ -199,35 +56,17 @@ def response_mask(responses: torch.Tensor) -> torch.Tensor:
     return (eos_before == 0).float()
 
 
-def gold_reward(grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """The gold reward of the module docstring. prompts (b, p), responses (b, t) -> (b,) float."""
-    prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)  # (b, t)
-    legal = grammar.legal.to(prev.device)[prev, responses]  # (b, t); the grammar's tables stay on the CPU
-    quality = grammar.quality.to(prev.device)[responses]  # (b, t)
-    per_token = torch.where(legal, quality, torch.tensor(-grammar.illegal_penalty))
-    counted = response_mask(responses) * (responses != EOS).float()
-    return (per_token * counted).sum(1) / grammar.max_new_tokens
-
-
-def illegal_fraction(grammar: Grammar, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """(b,) fraction of counted response tokens that form an illegal bigram with their predecessor."""
-    prev = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1)
-    counted = response_mask(responses) * (responses != EOS).float()
-    illegal = (~grammar.legal.to(prev.device)[prev, responses]).float() * counted
-    return illegal.sum(1) / counted.sum(1).clamp(min=1.0)
-
-
 TIE = 1e-6  # gold differences smaller than this are float rounding (the same words summed in another order)
 
 
-def gold_difference(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
+def gold_difference(task: Task, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
     """gold(a) - gold(b) per prompt, (n,), with differences below ``TIE`` set to exactly 0 (a tie)."""
-    diff = gold_reward(grammar, prompts, responses_a) - gold_reward(grammar, prompts, responses_b)
+    diff = task.gold(prompts, responses_a) - task.gold(prompts, responses_b)
     return torch.where(diff.abs() < TIE, torch.zeros_like(diff), diff)
 
 
 def preference_pairs(
-    grammar: Grammar,
+    task: Task,
     prompts: torch.Tensor,
     responses_a: torch.Tensor,
     responses_b: torch.Tensor,
@@ -240,7 +79,7 @@ def preference_pairs(
     Returns (chosen, rejected, noiseless_agrees): chosen/rejected responses (n, t) and a (n,) bool telling
     whether the drawn label agrees with the noiseless gold comparison (ties agree).
     """
-    diff = gold_difference(grammar, prompts, responses_a, responses_b)
+    diff = gold_difference(task, prompts, responses_a, responses_b)
     p_a = torch.sigmoid(diff / max(noise, 1e-8))
     a_wins = torch.rand(p_a.shape, generator=generator, device=p_a.device) < p_a
     chosen = torch.where(a_wins[:, None], responses_a, responses_b)
@@ -249,28 +88,13 @@ def preference_pairs(
     return chosen, rejected, agrees
 
 
-def gold_ordered(grammar: Grammar, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
+def gold_ordered(task: Task, prompts: torch.Tensor, responses_a: torch.Tensor, responses_b: torch.Tensor):
     """Noiseless gold comparison of two responses per prompt, ties dropped: for held-out accuracy.
 
     prompts (n, p), responses (n, t) -> (prompts, better, worse), each with the m <= n untied rows."""
-    diff = gold_difference(grammar, prompts, responses_a, responses_b)
+    diff = gold_difference(task, prompts, responses_a, responses_b)
     keep = diff != 0
     a_wins = (diff > 0)[:, None]
     better = torch.where(a_wins, responses_a, responses_b)[keep]
     worse = torch.where(a_wins, responses_b, responses_a)[keep]
     return prompts[keep], better, worse
-
-
-def build_grammar(seed: int, *, n_demos: int, n_train_prompts: int, n_eval_prompts: int, **language) -> dict:
-    """Grammar instance ``seed`` (``language``: the other arguments of ``make_grammar``): the language,
-    demonstrations drawn from it, RL and held-out prompts."""
-    grammar = make_grammar(seed, **language)
-    g = torch.Generator().manual_seed(seed)
-    demo_prompts = sample_prompts(grammar, n_demos, g)
-    return {
-        "task": grammar,
-        "demo_prompts": demo_prompts,
-        "demo_responses": sample_responses(grammar, demo_prompts, g),
-        "train_prompts": sample_prompts(grammar, n_train_prompts, g),
-        "eval_prompts": sample_prompts(grammar, n_eval_prompts, g),
-    }

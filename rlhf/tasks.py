@@ -1,9 +1,11 @@
-"""The built-in tasks by name, registered in one place: each task's class, how an instance is built, and the
-plain-data form an instance is stored in (``dataclasses.asdict``). ablations/tasks.py registers the same names with
-their params.yaml sections.
+"""The library's half of the task registry (``LIBRARY``): each task's class, how an instance is built, and the
+plain-data form an instance is stored in (``dataclasses.asdict``). The other half, ``ablations.tasks.TASKS``, gives
+the same names (torch-free: the params check imports it) their params.yaml sections, metrics and report order;
+tests/ablations/test_tasks.py checks that the two name the same tasks in the same order. The task protocol is
+``rlhf.task.Task``.
 
 grammar     RLHF: a bigram language with an exact gold reward that a learned proxy only approximates
-            (rlhf/task.py)
+            (rlhf/grammar.py)
 arithmetic  RLVR: fixed-width addition scored by an exact verifier, subtraction held out (rlhf/arithmetic.py)
 """
 
@@ -13,21 +15,22 @@ import dataclasses
 from collections.abc import Callable
 
 from rlhf.arithmetic import Arithmetic, build_arithmetic
-from rlhf.task import Grammar, Task, build_grammar
+from rlhf.grammar import Grammar, build_grammar
+from rlhf.task import Task
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
-    """A task: its class (``rlhf.task.Task``; ``cls.reward`` is "learned" for a task scored by a reward model,
-    "verifier" otherwise) and ``build(seed, **values)``, the instance ``seed`` from the values of params.yaml's
-    ``<task>.task`` section: {"task": the instance, "demo_prompts", "demo_responses", "train_prompts",
-    "eval_prompts"} and, for a task with an out-of-domain set, "ood_prompts"."""
+    """A task: its class (an ``rlhf.task.Task``; ``cls.reward`` is "learned" for a task scored by a reward model,
+    an ``rlhf.task.LearnedRewardTask``, "verifier" otherwise) and ``build(seed, **values)``, the instance ``seed``
+    from the values of params.yaml's ``<task>.task`` section: {"task": the instance, "demo_prompts",
+    "demo_responses", "train_prompts", "eval_prompts"} and, for a task with an out-of-domain set, "ood_prompts"."""
 
     cls: type
     build: Callable[..., dict]
 
 
-TASKS: dict[str, TaskKind] = {
+LIBRARY: dict[str, TaskKind] = {
     "grammar": TaskKind(Grammar, build_grammar),
     "arithmetic": TaskKind(Arithmetic, build_arithmetic),
 }
@@ -35,7 +38,7 @@ TASKS: dict[str, TaskKind] = {
 
 def build_instance(name: str, seed: int, values: dict) -> dict:
     """Instance ``seed`` of task ``name`` as tensors and numbers, the task itself as ``task_state``."""
-    data = TASKS[name].build(seed, **values)
+    data = kind(name).build(seed, **values)
     return {**data, "task": task_state(name, data["task"])}
 
 
@@ -46,6 +49,11 @@ def task_state(name: str, task: Task) -> dict:
 
 def task_from_state(state: dict) -> Task:
     """The task instance ``task_state`` wrote."""
-    if state.get("name") not in TASKS:
-        raise ValueError(f"unknown task {state.get('name')!r}; allowed: {', '.join(TASKS)}")
-    return TASKS[state["name"]].cls(**state["fields"])
+    return kind(state.get("name")).cls(**state["fields"])
+
+
+def kind(name) -> TaskKind:
+    """The registered task ``name``; ValueError naming the registered ones otherwise."""
+    if name not in LIBRARY:
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(LIBRARY)}")
+    return LIBRARY[name]

@@ -17,10 +17,11 @@ torch.use_deterministic_algorithms(True)
 
 from rlhf import reward_model as R  # noqa: E402
 from rlhf.config import KLConfig, PPOConfig  # noqa: E402
+from rlhf.grammar import Grammar, make_grammar, sample_prompts, sample_responses  # noqa: E402
 from rlhf.model import ScalarModel, TinyLM, generate  # noqa: E402
 from rlhf.ppo import train_ppo  # noqa: E402
 from rlhf.sft import response_nll, train_sft  # noqa: E402
-from rlhf.task import EOS, Grammar, gold_ordered, make_grammar, preference_pairs, sample_prompts, sample_responses  # noqa: E402
+from rlhf.task import EOS, gold_ordered, preference_pairs  # noqa: E402
 
 
 def tiny_lm(grammar: Grammar, seed: int = 0) -> TinyLM:

@@ -15,10 +15,10 @@ import torch
 
 from pipelines import cpu
 from rlhf import reward_model as R
+from rlhf.grammar import sample_prompts, sample_responses
 from rlhf.model import adam
 from rlhf.ppo import train_ppo
 from rlhf.sft import train_sft
-from rlhf.task import sample_prompts, sample_responses
 
 from .conftest import small_ppo_config, tiny_lm
 

@@ -29,7 +29,7 @@ EMPTY_BOUND = 0.05  # share of empty responses (EOS first) any evaluation may ad
 @pytest.fixture(scope="module")
 def runs():
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
-    task, grammar, sft_model, reward_model, _ = build_upstream(params, 0, torch.device("cpu"))
+    task, grammar, sft_model, reward_model, _ = build_upstream(params, "grammar", 0, torch.device("cpu"))
 
     def run(kl, seed):
         return train_ppo(

@@ -21,8 +21,9 @@ import torch
 from ablations.config import load_params
 from pipelines.upstream import build_upstream
 from rlhf.evaluate import degenerate_responses, response_stats
+from rlhf.grammar import gold_reward
 from rlhf.model import generate
-from rlhf.task import EOS, gold_reward
+from rlhf.task import EOS
 
 # Every degenerate policy scores at least MARGIN (gold units) below the SFT policy. Measured at the defaults
 # (4 SFT samples per held-out prompt): SFT 0.231, the closest degenerate policy (SFT cut to 2 tokens) 0.078, a
@@ -41,7 +42,7 @@ SPEARMAN = (0.55, 0.85)
 @pytest.fixture(scope="module")
 def defaults():
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
-    task, grammar, sft_model, reward_model, metrics = build_upstream(params, 0, torch.device("cpu"))
+    task, grammar, sft_model, reward_model, metrics = build_upstream(params, "grammar", 0, torch.device("cpu"))
     prompts = task["eval_prompts"].repeat(SAMPLES_PER_PROMPT, 1)
     g = torch.Generator().manual_seed(0)
     sft = generate(sft_model, prompts, grammar.max_new_tokens, 1.0, g, EOS)

@@ -52,7 +52,7 @@ def outputs_equal(a: torch.nn.Module, b: torch.nn.Module, tokens: torch.Tensor) 
 def test_hf_backend_through_the_stage_functions_and_one_cells_ppo_config(tmp_path, task_name):
     params = Params.model_validate(hf_params())
     device = torch.device("cpu")
-    data, task, sft_model, reward_model, metrics = build_upstream(params, 0, device, task_name)
+    data, task, sft_model, reward_model, metrics = build_upstream(params, task_name, 0, device)
     assert isinstance(sft_model, hf.HFLM) and type(sft_model.body).__name__ == "LlamaModel"
     assert metrics["sft"]["heldout_nll"] < metrics["sft"]["heldout_nll_before"] - 0.2  # SFT learned on hf
     if task_name == "grammar":

@@ -14,10 +14,11 @@ import torch
 from rlhf import reward_model as R
 from rlhf.arithmetic import Arithmetic
 from rlhf.config import DiagnosticsConfig
+from rlhf.grammar import sample_prompts, sample_responses
 from rlhf.model import TinyLM, generate
 from rlhf.ppo import train_ppo
 from rlhf.sft import train_sft
-from rlhf.task import EOS, preference_pairs, sample_prompts, sample_responses
+from rlhf.task import EOS, preference_pairs
 from tests.conftest import ARITHMETIC as FIELDS
 
 from ..conftest import small_ppo_config, tiny_lm

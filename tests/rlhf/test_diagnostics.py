@@ -9,9 +9,10 @@ import torch
 
 from rlhf import diagnostics as D
 from rlhf import reward_model as R
+from rlhf.grammar import make_grammar, sample_prompts
 from rlhf.model import logprobs_from_logits, response_logits
 from rlhf.ppo import train_ppo
-from rlhf.task import EOS, make_grammar, response_mask, sample_prompts
+from rlhf.task import EOS, response_mask
 
 from ..conftest import TINY_TASK, small_ppo_config, tiny_lm
 

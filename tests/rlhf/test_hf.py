@@ -10,10 +10,11 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaCo
 from rlhf import hf
 from rlhf import reward_model as R
 from rlhf.config import KLConfig, no_kl
+from rlhf.grammar import sample_prompts, sample_responses
 from rlhf.model import ScalarModel, TinyLM, full_precision, generate, logprobs_from_logits, response_logits
 from rlhf.ppo import train_ppo
 from rlhf.sft import response_nll, train_sft
-from rlhf.task import EOS, response_mask, sample_prompts, sample_responses
+from rlhf.task import EOS, response_mask
 
 from ..conftest import small_ppo_config
 

@@ -5,8 +5,9 @@ import torch
 
 from rlhf import ppo as P
 from rlhf.evaluate import degenerate_responses, evaluate, keep_words, response_stats
+from rlhf.grammar import gold_reward
 from rlhf.reward_model import missing_eos, score
-from rlhf.task import BOS, EOS, gold_reward
+from rlhf.task import BOS, EOS
 
 W = 2  # a word
 

@@ -4,9 +4,10 @@ import math
 import torch
 
 from rlhf import reward_model as R
+from rlhf.grammar import sample_prompts
 from rlhf.model import generate
 from rlhf.sft import response_nll
-from rlhf.task import EOS, sample_prompts
+from rlhf.task import EOS
 
 
 def test_sft_lowers_heldout_nll(sft, grammar):

@@ -3,21 +3,16 @@ import inspect
 import pytest
 import torch
 
-from rlhf.task import (
-    BOS,
-    EOS,
-    TIE,
+from rlhf.grammar import (
     Grammar,
-    gold_difference,
     gold_reward,
     illegal_fraction,
     make_grammar,
-    preference_pairs,
-    response_mask,
     sample_prompts,
     sample_responses,
     word_frequencies,
 )
+from rlhf.task import BOS, EOS, TIE, gold_difference, preference_pairs, response_mask
 
 from ..conftest import TINY_TASK
 
