@@ -16,8 +16,9 @@ policy, which is why the report names the runs and checkpoints pooled. The no-KL
 its estimate is 0 by construction).
 
 Order: by algorithm, target, estimator (k1, k2, k3, full; the straight-through k1+/k3+ right after k1/k3), placement
-(reward, loss, both), then the variants off before on (IS weight, aggregation, return-to-go, both_split, moving
-reference), then arm name; on-policy before off-policy. So each estimator's placements sit together: reward-side k1
+(reward, loss, both), then each option off before on (ablations.experiment.SPEC_OPTIONS: IS weight, aggregation,
+both_split, return-to-go, clamp, moving reference, then the policy-loss options), then arm name; on-policy before
+off-policy. So each estimator's placements sit together: reward-side k1
 (the exact on-policy KL gradient through the returns) first, the loss-side k1 (a mean-zero gradient) right after it.
 """
 
@@ -27,21 +28,20 @@ import numpy as np
 import pandas as pd
 
 from ablations import stats as S
+from ablations.experiment import SPEC_FIELDS, SPEC_OPTIONS, option_on
 from ablations.load import BASELINE, spec_of
 from rlhf.config import ALGORITHMS, ESTIMATORS, TARGETS
 
 METRICS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
            "rel_bias_excess", "rel_var")  # fmt: skip
 REGIMES = ("on_policy", "off_policy", "on_policy_own", "off_policy_own")
-# the fields of an arm's spec (ablations.load.spec_of, from each run's config) the table shows and orders by
-SPEC = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "return_to_go",
-        "both_split", "ref_sync_every", "ref_sync_alpha", "kl_clamp")  # fmt: skip
+SPEC = SPEC_FIELDS  # the fields of an arm's spec (ablations.load.spec_of) the table shows and orders by
 PLACEMENT_ORDER = ("reward", "loss", "both")
 
 
-def is_off(v) -> bool:
-    """A switched-off option of a typed spec: None or False (NaN: None in a numeric column)."""
-    return v is None or v is False or v is np.False_ or (isinstance(v, float) and np.isnan(v))
+def is_off(field: str, v) -> bool:
+    """A switched-off option of a typed spec: at its default (``option_on``); a field every arm sets is never off."""
+    return field in SPEC_OPTIONS and not option_on(field, v)
 
 
 def arm_spec(runs: pd.DataFrame) -> pd.DataFrame:
@@ -77,20 +77,22 @@ def instance_values(diag: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
+def _rank(seq: tuple, v) -> int:
+    return seq.index(v) if v in seq else len(seq)
+
+
 def _order(spec: dict, arm: str, regime: str) -> tuple:
     """The sort key of the module docstring."""
-    rank = lambda seq, v: seq.index(v) if v in seq else len(seq)
     est = str(spec.get("estimator"))
-    variants = tuple(not is_off(spec.get(k)) for k in SPEC[5:])
     return (
-        rank(ALGORITHMS, spec.get("algorithm")),
-        rank(TARGETS, spec.get("target")),
-        rank(ESTIMATORS, est.rstrip("+")),
+        _rank(ALGORITHMS, spec.get("algorithm")),
+        _rank(TARGETS, spec.get("target")),
+        _rank(ESTIMATORS, est.rstrip("+")),
         est.endswith("+"),
-        rank(PLACEMENT_ORDER, spec.get("placement")),
-        variants,
+        _rank(PLACEMENT_ORDER, spec.get("placement")),
+        tuple(not is_off(k, spec.get(k)) for k in SPEC_OPTIONS),
         arm,
-        rank(REGIMES, regime),
+        _rank(REGIMES, regime),
     )
 
 

@@ -105,6 +105,32 @@ def spec_of(config: PPOConfig) -> dict:
     return {**config.kl.model_dump(exclude=set(CONTROLLER)), **{k: getattr(config, k) for k in PPO_OVERRIDES}}
 
 
+def _spec_field(name: str) -> FieldInfo:
+    return KLConfig.model_fields[name] if name in KLConfig.model_fields else PPOConfig.model_fields[name]
+
+
+# The fields of ``spec_of``, derived from KLConfig and PPOConfig, in the order tables show them: those every arm sets
+# (algorithm, group size, target, placement, estimator), then the options (a field with a default: off there), in
+# KLConfig's then PPOConfig's order. A new KL or policy-loss option appears in every table without being listed.
+_SPEC = (*(k for k in KLConfig.model_fields if k not in CONTROLLER), *PPO_OVERRIDES)
+SPEC_OPTIONS = tuple(k for k in _SPEC if not _spec_field(k).is_required())
+_REQUIRED = sorted((k for k in _SPEC if k not in SPEC_OPTIONS), key=lambda k: k not in PPO_OVERRIDES)  # PPO's first
+SPEC_FIELDS = (*_REQUIRED, *SPEC_OPTIONS)
+# summary.json's flat spec fields: the required ones and the options of its first version (before issue 18), set or
+# not; frozen, so that a cell of then keeps its bytes: any later option is written only when on (``option_on``), so
+# a new option is never added here
+FIRST_OPTIONS = ("is_weight", "aggregation", "both_split", "return_to_go", "ref_sync_every", "ref_sync_alpha")
+SUMMARY_ALWAYS = (*_REQUIRED, *FIRST_OPTIONS)
+
+
+def option_on(name: str, value) -> bool:
+    """Whether spec field ``name`` (an option of SPEC_OPTIONS) is switched on: ``value`` is not its default (None,
+    False, or e.g. ratio_level 'token'). A NaN (None in a numeric pandas column) is off."""
+    if isinstance(value, float) and value != value:
+        return False
+    return value != _spec_field(name).default
+
+
 class MatchedParams(BaseModel):
     """The matched-KL cells: every arm steered by the adaptive controller to each task's kl_targets."""
 

@@ -11,6 +11,7 @@ import pandas as pd
 from ablations import stats as S
 from ablations.config import AnalysisParams
 from ablations.diagnostics import is_off
+from ablations.experiment import SPEC_FIELDS
 from ablations.load import BASELINE
 
 
@@ -229,10 +230,10 @@ def methods(tr, p: AnalysisParams) -> list[str]:
 
 # ---------------------------------------------------------------- gradient diagnostics
 
-SPEC_NAMES = {"algorithm": "algorithm", "group_size": "group", "target": "target", "placement": "placement",
-              "estimator": "estimator", "is_weight": "IS weight", "aggregation": "aggregation",
-              "return_to_go": "return-to-go", "both_split": "both split", "ref_sync_every": "ref. sync every",
-              "ref_sync_alpha": "ref. sync α", "kl_clamp": "KL clamp"}  # fmt: skip
+# how a spec field (ablations.experiment.SPEC_FIELDS) is labelled where its name reads badly; any other field by its
+# name, so a new option needs no entry here
+SPEC_LABELS = {"group_size": "group", "is_weight": "IS weight", "return_to_go": "return-to-go", "kl_clamp": "KL clamp",
+               "ref_sync_every": "ref. sync every", "ref_sync_alpha": "ref. sync α"}  # fmt: skip
 DIAGNOSTIC_COLUMNS = {"cosine": "cosine (bias only)", "cosine_noise_floor": "its noise floor",
                       "cosine_minibatch": "cosine, one minibatch", "scale": "scale",
                       "rel_bias": "rel. bias", "rel_bias_excess": "rel. bias beyond noise",
@@ -246,21 +247,24 @@ def g3(x) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:#.3g}".rstrip(".")
 
 
-def _spec_value(v) -> str:
+def spec_label(field: str) -> str:
+    return SPEC_LABELS.get(field, field.replace("_", " "))
+
+
+def _spec_value(field: str, v) -> str:
     if isinstance(v, bool | np.bool_):
         return "yes" if v else "–"
-    return "–" if is_off(v) else (f"{v:g}" if isinstance(v, float) else str(v))
+    return "–" if is_off(field, v) or v is None else (f"{v:g}" if isinstance(v, float) else str(v))
 
 
 def diagnostic_spec(t: pd.DataFrame) -> tuple[list[str], str]:
-    """The spec fields that differ between the table's arms (its columns) and "field value, ..." for the rest (an
-    option every arm has off is left out)."""
-    fields = [f for f in SPEC_NAMES if f in t.columns]
-    varying = [f for f in fields if t[f].map(_spec_value).nunique() > 1]
-    common = ", ".join(
-        f"{SPEC_NAMES[f]} {_spec_value(t[f].iloc[0])}" for f in fields if f not in varying and not is_off(t[f].iloc[0])
-    )
-    return varying, common
+    """The spec fields (SPEC_FIELDS) that differ between the table's arms (its columns) and "field value, ..." for
+    the rest (an option every arm has off is left out)."""
+    fields = [f for f in SPEC_FIELDS if f in t.columns]
+    varying = [f for f in fields if t[f].map(lambda v, f=f: _spec_value(f, v)).nunique() > 1]
+    first = {f: t[f].iloc[0] for f in fields}
+    shown = [f for f in fields if f not in varying and not is_off(f, first[f])]
+    return varying, ", ".join(f"{spec_label(f)} {_spec_value(f, first[f])}" for f in shown)
 
 
 def _estimate(r, m: str) -> str:
@@ -279,7 +283,7 @@ def diagnostics_table(t: pd.DataFrame) -> str:
     rows = []
     for r in t.itertuples():
         regime = "on-policy" if r.regime == "on_policy" else f"off-policy ({r.updates} updates)"
-        row = {"arm": r.arm, **{SPEC_NAMES[f]: _spec_value(getattr(r, f)) for f in varying}, "regime": regime,
+        row = {"arm": r.arm, **{spec_label(f): _spec_value(f, getattr(r, f)) for f in varying}, "regime": regime,
                "n (runs)": f"{r.instances} ({r.runs})"}  # fmt: skip
         for m, name in DIAGNOSTIC_COLUMNS.items():
             row[name] = _estimate(r, m)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ablations.experiment import Experiment, ParamsError, load_experiment, spec_of
+from ablations.experiment import SUMMARY_ALWAYS, Experiment, ParamsError, load_experiment, spec_of
 from ablations.grid import Cell, find_cell, protocol_path, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
@@ -53,10 +53,9 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-# the arm's flat fields every summary.json has had (before issue 18); any other option appears only when on, so a
-# cell without it keeps its summary.json byte for byte (the whole config is the nested ``config`` beside them)
-ALWAYS = ("algorithm", "group_size", "target", "placement", "estimator", "is_weight", "aggregation", "both_split",
-          "return_to_go", "ref_sync_every", "ref_sync_alpha")  # fmt: skip
+# the arm's flat fields every summary.json has had (ablations/experiment.py); any other option appears only when on,
+# so a cell without it keeps its summary.json byte for byte (the whole config is the nested ``config`` beside them)
+ALWAYS = SUMMARY_ALWAYS
 
 
 def _on(v) -> bool:
