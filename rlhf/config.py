@@ -186,15 +186,16 @@ class DiagnosticsConfig(BaseModel):
 
 class PPOConfig(BaseModel):
     """Hyper-parameters of the training loop (the values in params.yaml follow lm-human-preferences / TRL where the
-    task allows). ``algorithm`` picks the advantage function (``rlhf.algorithms``); ``group_size`` responses are
-    sampled per prompt (1 = independent prompts). Critic-free algorithms ignore lam, cliprange_value, vf_coef.
+        task allows). ``algorithm`` picks the advantage function (``rlhf.algorithms``); ``group_size`` responses are
+        sampled per prompt (1 = independent prompts). Critic-free algorithms ignore lam, cliprange_value, vf_coef.
 
-    Policy-loss options (off by default; with all off the loss is today's bit for bit): ``cliprange_high``
-    (DAPO, arXiv 2503.14476, eq. 10: clip-higher), ``dual_clip`` (Ye et al. 2020, arXiv 1912.09729, eq. 5),
-    ``ratio_level: sequence`` (GSPO, arXiv 2507.18071, eq. 7), ``entropy_coef`` (a fixed entropy bonus,
-    Schulman et al. 2017 eq. 9), ``pg_aggregation`` (verl ``loss_agg_mode``; seq-mean-token-mean is DeepSeekMath
-    eq. 3's per-response mean), ``dr_grpo`` (Liu et al. 2025, arXiv 2503.20783: no std division, the loss summed
-    over tokens and divided by the constant response width)."""
+        Policy-loss options (off by default; with all off the loss is today's bit for bit): ``cliprange_high``
+        (DAPO, arXiv 2503.14476, eq. 10: clip-higher), ``dual_clip`` (Ye et al. 2020, arXiv 1912.09729, eq. 5),
+        ``ratio_level: sequence`` (GSPO, arXiv 2507.18071, eq. 7; with ``pg_aggregation: seq-mean-token-mean``, its
+    eq. 5's 1/G per response), ``entropy_coef`` (a fixed entropy bonus,
+        Schulman et al. 2017 eq. 9), ``pg_aggregation`` (verl ``loss_agg_mode``; seq-mean-token-mean is DeepSeekMath
+        eq. 3's per-response mean), ``dr_grpo`` (Liu et al. 2025, arXiv 2503.20783: no std division, the loss summed
+        over tokens and divided by the constant response width)."""
 
     model_config = LIBRARY
     algorithm: Algorithm
@@ -256,6 +257,12 @@ class PPOConfig(BaseModel):
             raise ValueError(
                 f"dr_grpo aggregates the loss as seq-mean-token-sum-norm: pg_aggregation null or "
                 f"'seq-mean-token-sum-norm' (got {self.pg_aggregation!r})"
+            )
+        if self.ratio_level == "sequence" and self.pg_mode != "seq-mean-token-mean":
+            raise ValueError(
+                "ratio_level 'sequence' (GSPO) is GSPO's objective only with pg_aggregation 'seq-mean-token-mean' "
+                f"(each response weighted 1/G, arXiv 2507.18071 eq. 5-7; {self.pg_mode!r} weights it by its length) "
+                f"(got pg_aggregation {self.pg_aggregation!r}{', dr_grpo true' if self.dr_grpo else ''})"
             )
         if self.diagnostics is not None:
             bad = [i for i in self.diagnostics.at if not 1 <= i <= self.iterations]

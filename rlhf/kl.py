@@ -34,97 +34,14 @@ with the policy loss's weight, so one coefficient means the same strength in bot
 
 Contract: the expected gradient of every accepted combination (``CONTRACT``; ``contract_rows`` finds a config's
 row; tests/rlhf/test_kl_contracts.py checks every row on- and off-policy by exact enumeration, and that every
-combination the schema accepts has exactly one row). Per unit coefficient, per-sequence scale (other aggregations
-multiply by their weight). With KL_t = KL(pi(.|y<t) || target(.|y<t)) and F_t = sum_{t'>t} delta_t':
+combination the schema accepts has exactly one row; each sampled-token estimator's value and score coefficient are
+in ``FORMULAS``, which the test evaluates). Per unit coefficient, per-sequence scale (other aggregations multiply by
+their weight). With KL_t = KL(pi(.|y<t) || target(.|y<t)) and F_t = sum_{t'>t} delta_t':
 g_seq = grad KL(P_pi || P_target) over whole responses = g_tok + g_fut; g_tok = E[sum_t grad KL_t] (prefix fixed);
 g_fut = E[sum_t s_t sum_{t'>t} KL_t']. Refused (one line naming the keys, rlhf/config.py): full in the reward alone
 (g_fut only), return_to_go with k1/k3 unweighted or outside placement loss, is_weight outside placement loss or
-with full/abs, k1+/k3+/abs in both places, both_split, old_policy_forward other than exact KL in the loss.
- 1. loss | k1 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : 0: no regularisation (E[s_t] = 0)
-    off: E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old
-    src: Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3
- 2. loss | k2, k1+, k3+ | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : g_tok: per-position grad KL(pi || target), no future-KL term
-    off: biased: E_old[sum_t delta_t s_t]
-    src: Tang & Munos 2025; verl core_algos.kl_penalty 'k1+'/'k3+'
- 3. loss | k3 | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : per-position grad KL(target || pi): the forward KL, no future term
-    off: biased: E_old[sum_t (1 - r_t) s_t]
-    src: GRPO (arXiv 2402.03300) eq. 4; Tang & Munos 2025
- 4. loss | abs | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : biased: E[sum_t sign(delta_t) s_t], not a KL gradient
-    off: biased: E_old[sum_t sign(delta_t) s_t]
-    src: verl core_algos.kl_penalty 'abs'
- 5. loss | full | - | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : g_tok: exact per-position grad KL_t, no future term
-    off: g_tok at prefixes from pi_old
-    src: Amini et al. 2025 (the pathwise half)
- 6. loss | full | - | target old_policy_forward | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : 0 (grad KL(pi_old || pi) at pi = pi_old)
-    off: grad KL(P_old || P_pi) over whole responses, exactly (its expectation is under pi_old)
-    src: lucidrains/PaLM-rlhf-pytorch ppo.py masked_kl_div(old, new)
- 7. loss | k1, k3 | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : g_tok (w_t (delta_t + 1) s_t, w_t delta_t s_t)
-    off: g_tok at prefixes from pi_old: w corrects the token
-    src: DeepSeek-V3.2 (arXiv 2512.02556); TRL use_bias_correction_kl
- 8. loss | k2, k1+, k3+ | is_weight | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : g_tok (sg(w_t) delta_t s_t)
-    off: g_tok at prefixes from pi_old
-    src: RPG, Zhang et al. 2025 (arXiv 2505.17508): detached ratio
- 9. loss | k2, k1+, k3+, full | return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo, grpo, dr_grpo
-    on : g_seq: grad KL(P_pi || P_target) over whole responses, exactly
-    off: biased: E_old[sum_t (per-token term + F_t) s_t], F_t = sum_{t' > t} delta_t' (full: KL_t')
-    src: Tang & Munos 2025; FRPO (arXiv 2601.10201)
-10. loss | k1, k3, k2, k1+, k3+ | is_weight + return_to_go | target reference, old_policy | ppo, reinforce_pp, rloo,
-    grpo, dr_grpo
-    on : g_seq exactly
-    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t F_t]: the future KL sampled from pi_old
-    src: Tang & Munos 2025 with the IS weight
-11. reward | k1 | - | target reference | ppo, reinforce_pp, rloo
-    on : g_seq exactly (REINFORCE on the sequence KL; RLOO's leave-one-out baseline has mean 0)
-    off: E_old[sum_t w_t s_t sum_(t'>=t) k1_t']: the reward's KL values are the rollout policy's (stale), the ratio
-         w_t corrects the token only
-    src: Ziegler et al. 2019 eq. 2; RLOO arXiv 2402.14740
-12. reward | k2, k3, abs | - | target reference | ppo, reinforce_pp, rloo
-    on : biased: E[sum_t s_t sum_(t'>=t) k_t'] (k3 in the reward: Comedy; collapses here)
-    off: biased: E_old[sum_t w_t s_t sum_(t'>=t) k_t']: the reward's KL values are the rollout policy's (stale), the
-         ratio w_t corrects the token only
-    src: Shah et al. 2025 (arXiv 2512.21852)
-13. reward | k1, k2, k3, abs | - | target reference | dr_grpo
-    on : (G - 1)/G times the ppo row (the group mean includes the response itself)
-    off: (G - 1)/G times the ppo row's off-policy formula
-    src: Dr. GRPO (arXiv 2503.20783) eq. 3
-14. reward/both | k1, k2, k3, abs, full | - | target reference, old_policy | grpo
-    on : biased: each group's KL divided by std_G R + eps with the score (no KL gradient; the reward weight c of an
-         aggregation cancels in that division when the score is constant)
-    off: the same with pi_old's samples
-    src: DeepSeekMath (arXiv 2402.03300) sec. 4.1.2; rlhf.algorithms
-15. reward | k1, k2, k3, abs | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
-    on : 0: the KL to the rollout policy is 0 at rollout
-    off: E_old[sum_t w_t s_t sum_(t'>=t) k_t'(pi || pi_old)], re-measured before each later epoch
-    src: lucidrains/PaLM-rlhf-pytorch 0.2 (KL subtracted from the reward)
-16. both | k1, k3 | - | target reference | ppo, reinforce_pp, rloo
-    on : g_seq exactly: E[(k + dk/dlog pi) s] = grad KL_t, the future KL through the returns
-    off: reward half the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only;
-         loss half as its loss row off-policy
-    src: Shah et al. 2025; verl (both)
-17. both | full | - | target reference | ppo, reinforce_pp, rloo
-    on : g_seq exactly: g_tok from the loss, the future KL from the returns
-    off: g_tok at pi_old prefixes + E_old[sum_t w_t s_t sum_(t'>t) KL_t'(pi_old)]
-    src: Amini et al. 2025 (Rao-Blackwellised KL)
-18. both | k2 | - | target reference | ppo, reinforce_pp, rloo
-    on : biased: E[(delta^2/2 + delta) s] per position plus the k2 future term
-    off: biased (formula)
-    src: Shah et al. 2025
-19. both | k1, k2, k3, full | - | target reference | dr_grpo
-    on : not g_seq: the reward half at (G - 1)/G, the loss half at 1
-    off: formula
-    src: Dr. GRPO; this table
-20. both | k1, k2, k3, full | - | target old_policy | ppo, reinforce_pp, rloo, dr_grpo
-    on : 0 (both halves vanish at pi = pi_old)
-    off: the reward row's re-measured formula + the loss row's
-    src: PaLM-rlhf-pytorch (both versions at once)
+with full/abs, k1+/k3+/abs in both places, both_split, old_policy_forward other than exact KL in the loss. The
+table (``contract_text``; the README's is ``contract_markdown``, spliced in by ``python -m pipelines.readme``):
 """
 
 from __future__ import annotations
@@ -537,10 +454,32 @@ _ALL_ALGOS = ("ppo", "reinforce_pp", "rloo", "grpo", "dr_grpo")
 _RETURNS = ("ppo", "reinforce_pp", "rloo")  # credit sum_{t' >= t} k (ppo: critic aside) or the leave-one-out sum
 _REF, _OLD = ("reference",), ("old_policy",)
 _STALE = "the reward's KL values are the rollout policy's (stale), the ratio w_t corrects the token only"
+
+
+class Formula(NamedTuple):
+    """A sampled-token estimator as the contract reads it: its value k(delta) and its score coefficient c(delta) with
+    grad k = c(delta) s_t (python expressions in ``delta`` with exp, abs and sign; the contract test evaluates them
+    against the code by exact enumeration: the row formulas are E[sum_t c s_t] in the loss, w_t (k + c) with a
+    differentiable importance weight, sg(w_t) c with a detached one, and k credited through the returns in the
+    reward)."""
+
+    value: str
+    score: str
+
+
+FORMULAS: dict[str, Formula] = {  # every estimator but 'full' (the exact KL, from logits)
+    "k1": Formula("delta", "1"),
+    "k2": Formula("delta**2 / 2", "delta"),
+    "k3": Formula("exp(-delta) - 1 + delta", "1 - exp(-delta)"),
+    "abs": Formula("abs(delta)", "sign(delta)"),
+    "k1+": Formula("delta", "delta"),  # straight-through: k1's value, k2's gradient
+    "k3+": Formula("exp(-delta) - 1 + delta", "delta"),
+}
 CONTRACT: tuple[Contract, ...] = (
     # loss side: the advantages never touch it, so every algorithm
     Contract(("loss",), ("k1",), False, False, _REF + _OLD, _ALL_ALGOS,
-             "0: no regularisation (E[s_t] = 0)", "E_old[sum_t s_t] = -grad CE(pi_old, pi): a pull toward pi_old",
+             "0: no regularisation (E[s_t] = 0)",
+             "E_old[sum_t s_t] = -grad CE(pi_old, pi): a descent step raises CE(pi_old, pi), a push away from pi_old",
              "Schulman 2020; Tang & Munos 2025 (arXiv 2506.09477) sec. 3", "zero", ""),
     Contract(("loss",), ("k2", "k1+", "k3+"), False, False, _REF + _OLD, _ALL_ALGOS,
              "g_tok: per-position grad KL(pi || target), no future-KL term", "biased: E_old[sum_t delta_t s_t]",
@@ -637,6 +576,10 @@ def contract_text(width: int = 116) -> str:
         for tag, text in (("on ", r.on_policy), ("off", r.off_policy), ("src", r.source)):
             out += textwrap.wrap(f"{tag}: {text}", width, initial_indent="    ", subsequent_indent="         ")
     return "\n".join(out)
+
+
+if __doc__ is not None:  # None under python -OO
+    __doc__ += contract_text() + "\n"  # the table, once: CONTRACT in this module's help (pydoc, help(rlhf.kl))
 
 
 def contract_markdown() -> str:

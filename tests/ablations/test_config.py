@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from ablations.config import Params, ParamsError, load_params
+from rlhf.config import ESTIMATORS
 
 from ..conftest import REPO, repo_params
 
@@ -43,7 +44,7 @@ BAD = [
     (
         "unknown estimator",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimator="k4"),
-        "'k1', 'k2', 'k3', 'full', 'k1+', 'k3+' or 'abs'",
+        ", ".join(map(repr, ESTIMATORS[:-1])) + f" or {ESTIMATORS[-1]!r}",  # pydantic's words for rlhf.config's list
     ),
     ("negative coefficient", lambda p: p["grammar"].update(coefs=[-0.1]), "grammar.coefs"),
     ("infinite coefficient", lambda p: p["grammar"].update(coefs=[float("inf")]), "grammar.coefs.0"),

@@ -14,6 +14,8 @@ from ablations.config import TASKS
 from pipelines.readme import (
     BEGIN,
     CHECKED_SECTIONS,
+    CONTRACT_BEGIN,
+    CONTRACT_END,
     END,
     answer_section,
     block,
@@ -25,6 +27,7 @@ from pipelines.readme import (
 
 ROOT = Path(__file__).resolve().parents[2]
 README = f"# Title\n\nintro\n\n## The current answer\n\nbefore\n{BEGIN}\nold answer\n{END}\nafter\n\n## Next\n\ntail\n"
+CONTRACT = f"\n## How it works\n\n{CONTRACT_BEGIN}\nold table\n{CONTRACT_END}\n"  # the other generated block
 
 
 def test_splice_replaces_only_what_lies_between_the_markers():
@@ -79,34 +82,44 @@ def cli(readme, reports, *extra):
 
 def test_main_rewrites_atomically_and_check_compares(tmp_path, reports, capsys):
     """Catches: --check rewriting the file or passing on a stale block, a check that prints more than one line,
-    the rewrite losing the file's mode or leaving its temporary file, and a rewrite that --check then rejects."""
+    the rewrite losing the file's mode or leaving its temporary file, and a rewrite that --check then rejects; the
+    KL contract table is generated the same way (rlhf.kl.CONTRACT)."""
+    from rlhf.kl import contract_markdown
+
     readme = tmp_path / "README.md"
-    readme.write_text(README)
+    readme.write_text(README + CONTRACT)
     os.chmod(readme, 0o600)  # not what a new file gets
     assert cli(readme, reports, "--check") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "python -m pipelines.readme" in err
-    assert readme.read_text() == README
+    assert readme.read_text() == README + CONTRACT
     assert cli(readme, reports) == 0
-    assert readme.read_text() == splice(README, block(["grammar", "arithmetic"], reports))
+    answered = splice(README, block(["grammar", "arithmetic"], reports))
+    assert readme.read_text() == answered + CONTRACT.replace("old table", contract_markdown())
     assert "**grammar answer** 0.92\n\narithmetic answer\n" + END in readme.read_text()
     assert stat.S_IMODE(readme.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "reports"]
     assert cli(readme, reports, "--check") == 0
     (reports / "grammar" / "answer.md").write_text("changed\n")
     assert cli(readme, reports, "--check") == 1
+    readme.write_text(answered.replace("0.92", "changed") + CONTRACT)  # the answer current, the table stale
+    (reports / "grammar" / "answer.md").write_text("**grammar answer** changed\n")
+    assert cli(readme, reports, "--check") == 1 and "contract table" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_main_refuses_broken_markers_or_no_answers(tmp_path, reports, capsys):
     """Catches: a README without markers getting the answer appended (or a traceback), and a run before any
     answer.md exists wiping the README's answer."""
     readme = tmp_path / "README.md"
-    readme.write_text(README.replace(END, ""))
+    readme.write_text(README.replace(END, "") + CONTRACT)
     assert cli(readme, reports) == 1
-    assert "end marker" in capsys.readouterr().err and readme.read_text() == README.replace(END, "")
-    readme.write_text(README)
+    assert "end marker" in capsys.readouterr().err and readme.read_text() == README.replace(END, "") + CONTRACT
+    readme.write_text(README)  # no contract markers
+    assert cli(readme, reports) == 1
+    assert "contract:begin" in capsys.readouterr().err and readme.read_text() == README
+    readme.write_text(README + CONTRACT)
     assert main(["--readme", str(readme), "--reports", str(reports), "--tasks", "nothing"]) == 1
-    assert "no " in capsys.readouterr().err and readme.read_text() == README
+    assert "no " in capsys.readouterr().err and readme.read_text() == README + CONTRACT
 
 
 REPORT_MD = "Δ -1.361 (95% CI [-2.044, -0.679]); gold 0.924 and −0.42; in 2024; 24.5 nats; 3.1% empty; 1,000 instances"

@@ -25,7 +25,7 @@ from torch import nn
 from rlhf import kl as K
 from rlhf import ppo
 from rlhf.algorithms import ALGORITHMS, AdvantageParams
-from rlhf.config import AGGREGATIONS, ESTIMATORS, TARGETS, KLConfig, PPOConfig
+from rlhf.config import AGGREGATIONS, ESTIMATORS, IS_DIFFERENTIABLE, PLACEMENTS, TARGETS, KLConfig, PPOConfig
 from rlhf.config import ALGORITHMS as ALGORITHM_NAMES
 
 D = torch.float64
@@ -142,8 +142,25 @@ def _kl_positions(p_table, q_table, ys) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def _value(est: str, delta: torch.Tensor) -> torch.Tensor:
-    return {"k1": delta, "k2": delta**2 / 2, "k3": torch.exp(-delta) - 1 + delta, "abs": delta.abs()}[est]
+FUNCTIONS = {"exp": torch.exp, "abs": torch.abs, "sign": torch.sign}  # what rlhf.kl.FORMULAS may call
+
+
+def _formula(expression: str, delta: torch.Tensor) -> torch.Tensor:
+    """An expression of rlhf.kl.FORMULAS at ``delta`` (N, T)."""
+    out = eval(
+        expression, {"__builtins__": {}}, {"delta": delta, "exp": torch.exp, "abs": torch.abs, "sign": torch.sign}
+    )
+    return out * torch.ones_like(delta)  # a constant ('1') as a tensor
+
+
+def test_every_sampled_token_estimator_has_its_formula():
+    assert set(K.FORMULAS) == set(ESTIMATORS) - {"full"}
+    delta = torch.linspace(-2.0, 2.0, 9, dtype=D)[:, None].requires_grad_()
+    for est, f in K.FORMULAS.items():  # the code's value and per-sample gradient are the formula's
+        code = K.kl_per_token(est, delta, torch.zeros_like(delta))
+        torch.testing.assert_close(code, _formula(f.value, delta.detach()))
+        (grad,) = torch.autograd.grad(code.sum(), delta)  # d k / d log pi_theta = the score coefficient
+        torch.testing.assert_close(grad, _formula(f.score, delta.detach()))
 
 
 def expected(kc: KLConfig, algo: str, theta, old, ref) -> dict[str, torch.Tensor]:
@@ -171,13 +188,10 @@ def expected(kc: KLConfig, algo: str, theta, old, ref) -> dict[str, torch.Tensor
             if kc.return_to_go:
                 total = total + sf(future(_kl_positions(theta, target, ys)))
         else:
-            e = kc.estimator.rstrip("+") if kc.estimator.endswith("+") else kc.estimator
-            if kc.is_weight:
-                f = w * (delta + 1) if e == "k1" else w * delta
-            else:
-                f = {"k1": torch.ones_like(delta), "k2": delta, "k3": 1 - torch.exp(-delta), "abs": delta.sign()}[
-                    "k2" if kc.estimator in ("k1+", "k3+") else e
-                ]
+            formula = K.FORMULAS[kc.estimator]
+            f = _formula(formula.score, delta)  # E[sum_t c s_t]
+            if kc.is_weight:  # a differentiable weight: grad (w k) = w (k + c) s; a detached one: sg(w) c s
+                f = w * (_formula(formula.value, delta) + f if kc.estimator in IS_DIFFERENTIABLE else f)
             if kc.return_to_go:
                 f = f + (w if kc.is_weight else 1.0) * future(delta)
             total = total + sf(f)
@@ -187,7 +201,7 @@ def expected(kc: KLConfig, algo: str, theta, old, ref) -> dict[str, torch.Tensor
             if kc.estimator == "full":
                 k = _kl_positions(measured, target, ys)
             else:
-                k = _value(kc.estimator, _token_logprobs(measured, ys) - lt)
+                k = _formula(K.FORMULAS[kc.estimator].value, _token_logprobs(measured, ys) - lt)
             to_go = k + future(k)
         if algo == "grpo":  # the reward weight c (T for seq-mean-token-sum at a fixed length) cancels in the std
             c = float(T) if K.aggregation_of(kc) == "seq-mean-token-sum" else 1.0
@@ -217,7 +231,7 @@ def accepted_combinations() -> list[tuple[KLConfig, str]]:
     return_to_go x target x algorithm (kl_clamp and the policy-loss options are value modifiers, tested apart)."""
     out = []
     for p, e, iw, agg, rtg, tgt, algo in itertools.product(
-        ("reward", "loss", "both"), ESTIMATORS, (False, True), AGGS, (False, True), TARGETS, ALGOS
+        PLACEMENTS[1:], ESTIMATORS, (False, True), AGGS, (False, True), TARGETS, ALGOS
     ):
         try:
             kc = KLConfig(target=tgt, placement=p, estimator=e, coef=1.0, is_weight=iw, aggregation=agg,
@@ -333,17 +347,21 @@ def test_report_worst_deviation():
         assert max(WORST.values()) < TOL and not math.isnan(max(WORST.values()))
 
 
-def test_the_table_in_the_docstring_and_the_readme_is_contract():
+def test_the_readme_shows_the_contract_table():
+    """The README's table is generated (pipelines/readme.py splices rlhf.kl.contract_markdown() in)."""
     from pathlib import Path
 
-    assert K.contract_text() in K.__doc__
-    assert K.contract_markdown() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    from pipelines import readme
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert readme.splice(text, readme.contract_table(), readme.CONTRACT_BEGIN, readme.CONTRACT_END) == text
+    assert "a push away from pi_old" in K.contract_markdown()  # row 1: a descent step raises CE(pi_old, pi)
 
 
 @pytest.mark.parametrize(
     "options",
-    [dict(ratio_level="sequence"), dict(cliprange_high=0.28, dual_clip=3.0), dict(pg_aggregation="seq-mean-token-mean"),
-     dict(entropy_coef=None)],
+    [dict(ratio_level="sequence", pg_aggregation="seq-mean-token-mean"), dict(cliprange_high=0.28, dual_clip=3.0),
+     dict(pg_aggregation="seq-mean-token-mean"), dict(entropy_coef=None)],
 )  # fmt: skip
 @pytest.mark.parametrize("kl", [dict(placement="reward", estimator="k1"), dict(placement="both", estimator="k3")])
 def test_policy_loss_options_keep_the_on_policy_contract(tables, options, kl):
@@ -355,3 +373,74 @@ def test_policy_loss_options_keep_the_on_policy_contract(tables, options, kl):
     got = code_gradient(kc, "ppo", theta, theta, ref, **options)
     want = expected(kc, "ppo", theta, theta, ref)["seq"]
     assert (got - want).norm().item() < TOL * want.norm().item()
+
+
+def test_row_1_off_policy_a_descent_step_pushes_pi_away_from_pi_old(tables):
+    """k1 in the loss off-policy: E_old[sum_t s_t] = -grad CE(pi_old, pi), so a step against it raises CE(pi_old, pi)
+    (row 1's wording, issue 30; "a pull toward pi_old" was the wrong sign)."""
+    theta, old, ref = tables["theta"], tables["old"], tables["ref"]
+    kc = KLConfig(target="reference", placement="loss", estimator="k1", coef=1.0)
+    grad = code_gradient(kc, "ppo", theta, old, ref)
+    ys = responses()
+    p_old = _seq_logprob(old, ys).exp()
+    assert -(p_old * _seq_logprob(theta - 1e-3 * grad, ys)).sum() > -(p_old * _seq_logprob(theta, ys)).sum()
+
+
+def _gspo_gradients(theta, old, pg_aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the code's expected policy gradient, GSPO's) for responses of lengths 1..3 sampled from ``old``, fixed
+    advantages A(y), off-policy, nothing clipped. GSPO (arXiv 2507.18071 eq. 5-7): J = E_old[A(y) s(y)] with
+    s(y) = (pi(y) / pi_old(y))^(1/|y|): each response weighted 1/G whatever its length."""
+    ys = responses()
+    n = len(ys)
+    mask = (torch.arange(T)[None, :] < (1 + ys[:, :1] % T)).to(D)  # (27, T): lengths 1, 2, 3
+    adv = torch.linspace(-1.0, 1.0, n, dtype=D)[:, None] * torch.ones(1, T, dtype=D)
+    q = _seq_logprob(old, ys).exp()
+    t = theta.clone().requires_grad_()
+    prompts = torch.zeros(n, 1, dtype=torch.long)
+    lp = ppo.logprobs_from_logits(ppo.response_logits(Tabular(t, q * n), prompts, ys, 1.0), ys)
+    with torch.no_grad():
+        old_lp = ppo.logprobs_from_logits(ppo.response_logits(Tabular(old), prompts, ys, 1.0), ys)
+    loss, _, _ = ppo.policy_loss(lp, old_lp, adv, mask, 1e6, ratio_level="sequence", mode=pg_aggregation)
+    code = torch.autograd.grad(loss, t)[0]
+    u = theta.clone().requires_grad_()
+    s = torch.exp(((_token_logprobs(u, ys) - _token_logprobs(old, ys)) * mask).sum(1) / mask.sum(1))
+    gspo = torch.autograd.grad(-(q * adv[:, 0] * s).sum(), u)[0]
+    return code, gspo
+
+
+def test_gspo_is_exact_with_its_aggregation_and_refused_without(tables):
+    """Issue 30's flag: the sequence ratio with a token-mean policy loss weights response y by |y| / mean length
+    instead of 1/G (not GSPO's objective); with seq-mean-token-mean it is GSPO's gradient exactly, and params
+    validation refuses the other aggregations in one line."""
+    code, gspo = _gspo_gradients(tables["theta"], tables["old"], "seq-mean-token-mean")
+    assert (code - gspo).norm() < TOL * gspo.norm()
+    code, _ = _gspo_gradients(tables["theta"], tables["old"], "token-mean")
+    assert (code - gspo).norm() > 0.05 * gspo.norm()
+    for options in (dict(), dict(pg_aggregation="token-mean"), dict(algorithm="grpo", group_size=2, dr_grpo=True)):
+        with pytest.raises(ValidationError, match="ratio_level 'sequence'") as e:
+            PPOConfig(**{**_PPO, "ratio_level": "sequence", **options})
+        assert e.value.error_count() == 1
+
+
+_PPO = dict(
+    algorithm="ppo",
+    iterations=1,
+    batch_size=4,
+    group_size=1,
+    minibatch_size=4,
+    epochs=1,
+    lr=1e-3,
+    adam_eps=1e-5,
+    temperature=1.0,
+    gamma=1.0,
+    lam=1.0,
+    cliprange=0.2,
+    cliprange_value=1.0,
+    vf_coef=0.0,
+    whiten_rewards=False,
+    missing_eos_score=None,
+    eval_every=1,
+    eval_seed=0,
+    seed=0,
+    kl=KLConfig(target="reference", placement="reward", estimator="k1", coef=0.1),
+)

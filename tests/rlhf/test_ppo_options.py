@@ -39,17 +39,18 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
 
 
 def test_gspo_sequence_ratio_value_and_gradient():
-    """GSPO eq. 7 / GSPO-token eq. 13: s_b = exp(mean_t log ratio) for every token, gradient sg(s_b) A s_t."""
+    """GSPO eq. 7 / GSPO-token eq. 13: s_b = exp(mean_t log ratio) for every token, gradient sg(s_b) A s_t, under
+    GSPO's aggregation (seq-mean-token-mean; the only one params validation accepts with the sequence ratio)."""
     lp = torch.tensor([[-0.1, -0.5, -0.3], [-0.2, -0.4, 0.0]], dtype=D, requires_grad=True)
     old = torch.tensor([[-0.2, -0.3, -0.3], [-0.1, -0.6, 0.0]], dtype=D)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]], dtype=D)
-    loss, _, _ = policy_loss(lp, old, adv, mask, 10.0, ratio_level="sequence")
+    loss, _, _ = policy_loss(lp, old, adv, mask, 10.0, ratio_level="sequence", mode="seq-mean-token-mean")
     s = torch.exp(((lp.detach() - old) * mask).sum(1) / mask.sum(1))  # (b,)
-    want = -(adv * s[:, None] * mask).sum() / mask.sum()
+    want = -(adv[:, 0] * s).mean()  # GSPO eq. 5: (1/G) sum_i s_i A_i, whatever each response's length
     assert loss.item() == pytest.approx(want.item())
-    (grad,) = torch.autograd.grad(loss, lp)
-    torch.testing.assert_close(grad, -adv * s[:, None] * mask / mask.sum())
+    (grad,) = torch.autograd.grad(loss, lp)  # eq. 7: grad s_i = s_i (1/|y_i|) sum_t grad log pi_t
+    torch.testing.assert_close(grad, -adv * s[:, None] * mask / (mask.sum(1, keepdim=True) * len(s)))
 
 
 def test_policy_loss_aggregations():
@@ -78,6 +79,7 @@ def test_dr_grpo_drops_the_std_and_sets_the_aggregation():
         (dict(dr_grpo=True), "dr_grpo changes GRPO's advantages: algorithm 'grpo'"),
         (dict(algorithm="grpo", group_size=2, dr_grpo=True, pg_aggregation="token-mean"), "pg_aggregation null"),
         (dict(ratio_level="seq"), "'token' or 'sequence'"),
+        (dict(ratio_level="sequence"), "ratio_level 'sequence' .GSPO. is GSPO's objective only with pg_aggregation"),
         (dict(dual_clip=1.0), "greater than 1"),
         (dict(pg_aggregation="sum"), "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"),
     ],
@@ -112,8 +114,8 @@ def test_entropy_bonus_runs_and_changes_the_run(run_ppo):
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(cliprange_high=0.28, dual_clip=3.0), dict(ratio_level="sequence"), dict(algorithm="grpo", group_size=2,
-     dr_grpo=True), dict(pg_aggregation="seq-mean-token-mean")],
+    [dict(cliprange_high=0.28, dual_clip=3.0), dict(ratio_level="sequence", pg_aggregation="seq-mean-token-mean"),
+     dict(algorithm="grpo", group_size=2, dr_grpo=True), dict(pg_aggregation="seq-mean-token-mean")],
 )  # fmt: skip
 def test_options_run_end_to_end(run_ppo, overrides):
     out = run_ppo(iterations=1, **overrides)
