@@ -32,8 +32,6 @@ import pandas as pd
 
 from ablations.config import CalibrationParams
 
-BASELINE = "none"
-
 
 def _instance_mean(df: pd.DataFrame, col: str) -> pd.Series:
     """Per instance: the mean of ``col`` over the instance's PPO seeds."""

@@ -32,8 +32,16 @@ from ablations.experiment import SPEC_FIELDS, SPEC_OPTIONS, option_on
 from ablations.load import BASELINE, spec_of
 from rlhf.config import ALGORITHMS, ESTIMATORS, TARGETS
 
-METRICS = ("cosine", "cosine_noise_floor", "cosine_minibatch", "scale", "rel_bias", "rel_bias_noise",
-           "rel_bias_excess", "rel_var")  # fmt: skip
+METRICS = (
+    "cosine",
+    "cosine_noise_floor",
+    "cosine_minibatch",
+    "scale",
+    "rel_bias",
+    "rel_bias_noise",
+    "rel_bias_excess",
+    "rel_var",
+)
 REGIMES = ("on_policy", "off_policy", "on_policy_own", "off_policy_own")
 SPEC = SPEC_FIELDS  # the fields of an arm's spec (ablations.load.spec_of) the table shows and orders by
 PLACEMENT_ORDER = ("reward", "loss", "both")
@@ -108,15 +116,15 @@ def table(diag: pd.DataFrame, runs: pd.DataFrame, level: float) -> pd.DataFrame:
     rows = []
     for (arm, regime), g in iv.groupby(["arm", "regime"], sort=False):
         raw = d[(d.arm == arm) & (d.regime == regime)]
-        row = {**specs.get(arm, {"arm": arm}), "regime": regime, "updates": int(g.updates.max()),
-               "instances": g.instance.nunique(), "runs": int(g.runs.sum()), "rows": int(g.rows.sum()),
-               "checkpoints": sorted(int(i) for i in raw.iteration.unique())}  # fmt: skip
+        row = {**specs.get(arm, {"arm": arm}), "regime": regime, "updates": int(g.updates.max())}
+        row |= {"instances": g.instance.nunique(), "runs": int(g.runs.sum()), "rows": int(g.rows.sum())}
+        row["checkpoints"] = sorted(int(i) for i in raw.iteration.unique())
         for m in METRICS:
             v = g[m].to_numpy(float)
             v = v[np.isfinite(v)]
             lo, hi = S.ci(v, level) if len(v) else (np.nan, np.nan)
-            row |= {f"{m}_mean": v.mean() if len(v) else np.nan, f"{m}_sd": v.std(ddof=1) if len(v) > 1 else np.nan,
-                    f"{m}_lo": float(lo), f"{m}_hi": float(hi), f"{m}_n": len(v)}  # fmt: skip
+            row |= {f"{m}_mean": v.mean() if len(v) else np.nan, f"{m}_sd": v.std(ddof=1) if len(v) > 1 else np.nan}
+            row |= {f"{m}_lo": float(lo), f"{m}_hi": float(hi), f"{m}_n": len(v)}
         rows.append(row)
     rows.sort(key=lambda r: _order(specs.get(r["arm"], {}), r["arm"], r["regime"]))
     return pd.DataFrame(rows)

@@ -33,7 +33,8 @@ from ablations.tasks import TASKS
 from rlhf.config import Estimator, KLConfig, PPOConfig
 
 PARAMS_FILE = Path("params.yaml")
-RESERVED_ARMS = ("none", "baseline")  # the no-KL baseline's names
+BASELINE = "none"  # the no-KL arm's name: in stage names, summaries and tables (ablations/grid.py, ablations/load.py)
+RESERVED_ARMS = (BASELINE, "baseline")  # the no-KL baseline's names
 MAX_NAME = 64  # an arm name is part of a stage name and of a directory name (runs/<task>/<kind>/<key>)
 
 
@@ -309,7 +310,11 @@ def read_yaml(path: Path) -> dict:
         )
     try:
         raw = YAML(typ="safe", pure=True).load(text)
+        if raw is None:  # empty, or nothing but comments
+            raise ParamsError(f"{path}: empty (no key, only comments or nothing): it must be a mapping of sections")
         _plain_yaml(YAML(typ="safe", pure=True).compose(text), path)
+    except RecursionError:
+        raise ParamsError(f"{path}: nested too deeply (lists or mappings thousands of levels deep)") from None
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -352,6 +357,8 @@ def validate(path: Path | str, model: type[BaseModel]):
     raw = read_yaml(path)
     try:
         return model.model_validate(raw)
+    except RecursionError:
+        raise ParamsError(f"{path}: nested too deeply (lists or mappings thousands of levels deep)") from None
     except ValidationError as e:
         errors = e.errors()
         more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""

@@ -22,16 +22,16 @@ does not, so the grid is known before the calibration has run.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ablations.experiment import Experiment
+from ablations.experiment import BASELINE, Experiment
 from ablations.tasks import TASKS
 from rlhf.config import KLConfig, PPOConfig, no_kl
 
 RUNS_DIR = Path("runs")
 PROTOCOL_DIR = Path("protocol")
-BASELINE = "none"
 CALIBRATION_KINDS = ("calibration_baseline", "calibration")
 KINDS = ("baseline", "design", "fixed", "matched")
 
@@ -107,6 +107,28 @@ class Cell:
 def protocol_path(task: str) -> Path:
     """Where the calibration stage writes what it fixed for ``task`` (a DVC output, kept in git)."""
     return PROTOCOL_DIR / f"{task}.json"
+
+
+class ProtocolFileError(ValueError):
+    """A protocol/<task>.json that is not the calibration's JSON (cut, edited into invalid JSON); one line."""
+
+
+def read_protocol(path: Path) -> dict:
+    """What the calibration fixed, from ``path`` (a protocol/<task>.json); ProtocolFileError naming the file when it
+    is cut or not a JSON object, FileNotFoundError when it is missing."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        why = f"not JSON ({e.msg} at line {e.lineno}, column {e.colno}: cut or edited)"
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    else:
+        if isinstance(doc, dict):
+            return doc
+        why = f"a JSON {type(doc).__name__}, not the calibration's object"
+    raise ProtocolFileError(
+        f"{path}: {why}; restore it (`git checkout {path}`) or re-create it (`dvc repro {path.stem}_calibrate`)"
+    )
 
 
 def role_value(protocol: dict, arm: str, role: str) -> float:

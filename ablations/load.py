@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ablations.experiment import BASELINE
 from ablations.experiment import spec_of as arm_spec
 from rlhf.config import PPOConfig
 
-BASELINE = "none"
 KINDS = ("baseline", "fixed", "matched", "calibration_baseline", "calibration")
 REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "config", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")

@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
-
 UNREADABLE = "<unreadable>"
 PARAMS_FILE = "params.yaml"
 PARAM_FILE_SUFFIXES = (".yaml", ".yml", ".json", ".toml", ".py")  # what DVC accepts as a parameter file
@@ -52,6 +50,9 @@ class Change:
     date: str
     subject: str
     keys: tuple[str, ...]  # the watched keys (or watched file names) whose values changed
+
+    def describe(self) -> str:
+        return f"{self.commit[:10]} ({self.date[:10]}, “{self.subject}”)"
 
 
 class AmendmentRow(NamedTuple):
@@ -93,7 +94,7 @@ class LockStatus:
         """The report's words for it."""
         if not self.available:
             return [f"Protocol lock not checked: {self.reason}."]
-        c = lambda x: f"{x.commit[:10]} ({x.date[:10]}, “{x.subject}”)"
+        c = Change.describe
         out = [f"The protocol last changed at commit {c(self.lock)}." if self.lock else "No protocol commit found."]
         if self.protocol_uncommitted:
             which = f" ({', '.join(self.uncommitted_keys)})" if self.uncommitted_keys else ""
@@ -193,7 +194,7 @@ def watched_keys(
     ``grid.arms``)."""
     if isinstance(stage_prefixes, str):
         stage_prefixes = [stage_prefixes]
-    doc = yaml.safe_load(Path(dvc_yaml).read_text()) or {}
+    doc = _yaml(Path(dvc_yaml).read_text()) or {}
     stages = doc.get("stages") or {}
     if not isinstance(stages, dict):
         raise ValueError(f"{dvc_yaml}: 'stages' is not a mapping")
@@ -233,12 +234,22 @@ def _history(root: Path, *paths: str) -> list[Change]:
     return [Change(h, d, s, ()) for h, d, s in reversed(rows)]
 
 
+def _yaml(text: str):
+    """YAML 1.2 as DVC and the params check read it (ruamel.yaml's safe loader): ``1e-8`` is a float, where PyYAML's
+    YAML 1.1 reads a string, so a committed params.yaml means here what it meant to the runs."""
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(text)
+
+
 def _load(text: str | None):
+    from ruamel.yaml.error import YAMLError
+
     if text is None:
         return None
     try:
-        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError:
+        return _yaml(text)
+    except (YAMLError, RecursionError):
         return UNREADABLE
 
 
@@ -338,9 +349,10 @@ def protocol_lock(
     keep = result_stages if callable(result_stages) else set(result_stages).__contains__
     try:
         _git(root, "rev-parse", "--verify", "HEAD")
-    except (OSError, subprocess.CalledProcessError) as e:
-        return LockStatus(False, "not a git repository with commits" if isinstance(e, subprocess.CalledProcessError)
-                          else f"git is not available ({e})")  # fmt: skip
+    except subprocess.CalledProcessError:
+        return LockStatus(False, "not a git repository with commits")
+    except OSError as e:
+        return LockStatus(False, f"git is not available ({e})")
     order = {h: i for i, h in enumerate(reversed(_git(root, "rev-list", "--first-parent", "HEAD").split()))}
     pairs: dict[tuple[str, str | None], str] = {}  # (file, key or None) -> the name a change is reported under
     for name in watched:
@@ -379,10 +391,13 @@ def protocol_lock(
                 alive.discard(k)
         if not alive:
             break
-    rec = sorted(since.values(), key=lambda c: order.get(c.commit, -1))
+
+    def pos(c: Change) -> int:
+        return order.get(c.commit, -1)
+
+    rec = sorted(since.values(), key=pos)
     lock = changes[-1] if changes else None
     first, last = (rec[0], rec[-1]) if rec else (None, None)
-    pos = lambda c: order.get(c.commit, -1)
     after = same = None
     if lock and (rec or len(current) > len(since)):
         same = any(pos(c) == pos(lock) for c in rec)

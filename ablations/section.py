@@ -4,10 +4,11 @@ has an ``rm`` section) is registered in ablations/tasks.py; ablations/experiment
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, field_validator, model_validator
 
 from rlhf.config import KLConfig, PPOConfig
 
@@ -145,10 +146,17 @@ def _distinct(name: str, values: list) -> list:
     return values
 
 
+def _finite(v):
+    """One message for inf and nan (not the int and the float alternative's messages of the union)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"must be finite (got {v})")
+    return v
+
+
 # A coefficient or KL target as written: an int stays an int (`3`), a float a float (`3.0`), because DVC names a
 # matrix stage by the value as parsed (`…-3-0` and `…-3.0-0`); ablations.grid.stage_name then makes DVC's name for
 # either. The two spellings of one value are one value (refused as a duplicate).
-Strength = Annotated[int | FiniteFloat, Field(union_mode="smart")]
+Strength = Annotated[int | FiniteFloat, Field(union_mode="smart"), BeforeValidator(_finite)]
 
 
 class TargetRule(BaseModel):

@@ -87,16 +87,21 @@ def restraint_table(r: pd.DataFrame) -> str:
     return md(rows)
 
 
+def _cell_key(r) -> tuple:
+    return (r.kind, r.arm, None if pd.isna(r.level) else float(r.level))
+
+
 def collapse_table(col: pd.DataFrame, cells: pd.DataFrame) -> str:
-    key = lambda r: (r.kind, r.arm, None if pd.isna(r.level) else float(r.level))
-    flags = {key(r): (r.bimodality_p, r.bimodal_why, r.final_gold_mean, r.final_gold_sd) for r in cells.itertuples()}
+    flags = {
+        _cell_key(c): (c.bimodality_p, c.bimodal_why, c.final_gold_mean, c.final_gold_sd) for c in cells.itertuples()
+    }
     rows = []
     for r in col.itertuples():
-        bp, why, m, sd = flags.get(key(r), (math.nan, "", math.nan, math.nan))
+        bp, why, m, sd = flags.get(_cell_key(r), (math.nan, "", math.nan, math.nan))
         flag = f"**yes**: {why} (E-H p {pval(bp)})" if why else f"no (E-H p {pval(bp)})"
-        rows.append({"cell": _cell(r.arm, r.kind, r.level), "runs": str(r.runs), "collapsed": str(r.collapsed),
-                     "rate (95% CI)": f"{r.rate:.2f} {ci(r.ci_lo, r.ci_hi, 2, False)}",
-                     "final gold mean ± SD": f"{fmt(m)} ± {fmt(sd)}", "bimodal": flag})  # fmt: skip
+        rate, gold = f"{r.rate:.2f} {ci(r.ci_lo, r.ci_hi, 2, False)}", f"{fmt(m)} ± {fmt(sd)}"
+        row = {"cell": _cell(r.arm, r.kind, r.level), "runs": str(r.runs), "collapsed": str(r.collapsed)}
+        rows.append(row | {"rate (95% CI)": rate, "final gold mean ± SD": gold, "bimodal": flag})
     return md(rows)
 
 
@@ -161,8 +166,8 @@ def secondary_lines(sec: pd.DataFrame, proto: AnalysisParams) -> list[str]:
             )
             parts.append(f"{where}{fmt(r.mean, 2)}{d}")
         name = "no KL" if arm == BASELINE else arm
-        out.append(f"- {name}, {'final length' if outcome == 'length' else 'empty responses'} ({unit}; Δ vs "
-                   f"{proto.reference_arm}): " + "; ".join(parts))  # fmt: skip
+        what = "final length" if outcome == "length" else "empty responses"
+        out.append(f"- {name}, {what} ({unit}; Δ vs {proto.reference_arm}): " + "; ".join(parts))
     return out
 
 
@@ -173,12 +178,15 @@ def scale_words(runs: pd.DataFrame, margin: float, reference: str) -> str:
     ref = runs[(runs.kind == "fixed") & (runs.arm == reference)]
     gain = (ref.final_gold - ref.sft_gold).groupby(ref.level).mean()
     best = float(gain.max()) if len(gain) else math.nan
-    pct = lambda s: f"{margin / s:.0%}" if np.isfinite(s) and s > 0 else "–"
     return (
         f"Observed scales (not used to set the margin): the no-KL runs' mean peak gold gain over SFT is {fmt(peak)} "
-        f"(gold margin = {pct(peak)} of it); {reference}'s best mean final gain over SFT across coefficients is "
-        f"{fmt(best)} (margin = {pct(best)} of it)."
+        f"(gold margin = {_share(margin, peak)} of it); {reference}'s best mean final gain over SFT across "
+        f"coefficients is {fmt(best)} (margin = {_share(margin, best)} of it)."
     )
+
+
+def _share(margin: float, scale: float) -> str:
+    return f"{margin / scale:.0%}" if np.isfinite(scale) and scale > 0 else "–"
 
 
 def target_overlap(targets: list[float], tol: float) -> str:
@@ -232,12 +240,23 @@ def methods(tr, p: AnalysisParams) -> list[str]:
 
 # how a spec field (ablations.experiment.SPEC_FIELDS) is labelled where its name reads badly; any other field by its
 # name, so a new option needs no entry here
-SPEC_LABELS = {"group_size": "group", "is_weight": "IS weight", "return_to_go": "return-to-go", "kl_clamp": "KL clamp",
-               "ref_sync_every": "ref. sync every", "ref_sync_alpha": "ref. sync α"}  # fmt: skip
-DIAGNOSTIC_COLUMNS = {"cosine": "cosine (bias only)", "cosine_noise_floor": "its noise floor",
-                      "cosine_minibatch": "cosine, one minibatch", "scale": "scale",
-                      "rel_bias": "rel. bias", "rel_bias_excess": "rel. bias beyond noise",
-                      "rel_var": "rel. variance (one minibatch)"}  # fmt: skip
+SPEC_LABELS = {
+    "group_size": "group",
+    "is_weight": "IS weight",
+    "return_to_go": "return-to-go",
+    "kl_clamp": "KL clamp",
+    "ref_sync_every": "ref. sync every",
+    "ref_sync_alpha": "ref. sync α",
+}
+DIAGNOSTIC_COLUMNS = {
+    "cosine": "cosine (bias only)",
+    "cosine_noise_floor": "its noise floor",
+    "cosine_minibatch": "cosine, one minibatch",
+    "scale": "scale",
+    "rel_bias": "rel. bias",
+    "rel_bias_excess": "rel. bias beyond noise",
+    "rel_var": "rel. variance (one minibatch)",
+}
 
 
 def g3(x) -> str:
@@ -283,8 +302,8 @@ def diagnostics_table(t: pd.DataFrame) -> str:
     rows = []
     for r in t.itertuples():
         regime = "on-policy" if r.regime == "on_policy" else f"off-policy ({r.updates} updates)"
-        row = {"arm": r.arm, **{spec_label(f): _spec_value(f, getattr(r, f)) for f in varying}, "regime": regime,
-               "n (runs)": f"{r.instances} ({r.runs})"}  # fmt: skip
+        spec = {spec_label(f): _spec_value(f, getattr(r, f)) for f in varying}
+        row = {"arm": r.arm, **spec, "regime": regime, "n (runs)": f"{r.instances} ({r.runs})"}
         for m, name in DIAGNOSTIC_COLUMNS.items():
             row[name] = _estimate(r, m)
             if m == "rel_bias":

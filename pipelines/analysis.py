@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
-from ablations.grid import evaluation_cells, protocol_path
+from ablations.grid import ProtocolFileError, evaluation_cells, protocol_path, read_protocol
 from ablations.load import ExpectedRun
 from ablations.lock import protocol_lock, watched_keys
 from pipelines import tracking
@@ -58,7 +58,7 @@ def main(
     path = protocol_path(task)
     if not (root / path).is_file():
         raise analysis.MissingResultsError(f"{path} not found: the calibration stage {task}_calibrate has not run")
-    calibrated = {**json.loads((root / path).read_text()), "frozen": frozen(root, path)}
+    calibrated = {**read_protocol(root / path), "frozen": frozen(root, path)}
     config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
     with tracking.stage_run(f"{task}_analysis", params.mlflow.experiment, config, tags={"task": task}) as (
         client,
@@ -119,6 +119,6 @@ def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
 if __name__ == "__main__":
     try:
         written = main(*sys.argv[1:2])
-    except (ParamsError, analysis.MissingResultsError) as e:
+    except (ParamsError, analysis.MissingResultsError, ProtocolFileError) as e:
         sys.exit(f"error: {e}")
     print("\n".join(map(str, written)))

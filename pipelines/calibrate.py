@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 from ablations.calibration import calibrate
@@ -24,9 +25,12 @@ from ablations.load import ExpectedRun, MissingResultsError, load_runs
 def write_json(path: Path, obj: dict) -> None:
     """Writes ``obj`` as JSON atomically (a temporary sibling, then os.replace): never half a protocol file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")  # killed: pipelines.leftovers.clean_temp
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> dict:

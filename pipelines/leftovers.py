@@ -1,7 +1,8 @@
 """What killed processes leave behind, and its cleanup (torch-free: the runner imports it).
 
 Every writer of the stages goes through a hidden temporary sibling, ``.<name>.tmp-<8 hex>`` (pipelines/common.py
-``atomic_dir``, ``write_atomic``, ``save_checkpoint``; pipelines/runner/lockfile.py for dvc.lock), renamed into place
+``atomic_dir``, ``write_atomic``, ``save_checkpoint``; pipelines/runner/lockfile.py for dvc.lock; pipelines/calibrate.py
+for protocol/<task>.json; pipelines/profile.py for params.yaml, profiles and make settle alike), renamed into place
 when complete (POSIX ``rename`` is atomic). A process killed before the rename leaves that sibling behind, as it leaves
 ``tempfile``'s ``.<name>-tmp-<8 chars>`` of the analysis stage. ``clean_temp`` removes them at the runner's start,
 so that they are never hashed into a stage's inputs (the analysis depends on the whole ``runs`` directory).
@@ -15,7 +16,7 @@ import uuid
 from pathlib import Path
 
 TEMP_NAME = re.compile(r"\..+(\.tmp-[0-9a-f]{8}|-tmp-[a-z0-9_]{8})")
-OUTPUT_DIRS = ("data", "models", "metrics", "runs", "reports")  # where the stages write (dvc.yaml outs)
+OUTPUT_DIRS = ("data", "models", "metrics", "runs", "reports", "protocol")  # where the stages write (dvc.yaml outs)
 
 
 def temp_sibling(path: Path) -> Path:

@@ -15,7 +15,6 @@ import argparse
 import copy
 import csv
 import io
-import json
 import sys
 import time
 from typing import NamedTuple
@@ -23,7 +22,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ablations.experiment import SUMMARY_ALWAYS, Experiment, ParamsError, load_experiment, spec_of
-from ablations.grid import Cell, find_cell, protocol_path, resolve
+from ablations.grid import Cell, ProtocolFileError, find_cell, protocol_path, read_protocol, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
 from pipelines.common import (
@@ -88,7 +87,7 @@ def resolved(params: Experiment, cell: Cell) -> Cell:
     path = protocol_path(cell.task)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the calibration first (dvc repro {cell.task}_calibrate)")
-    return resolve(cell, params, json.loads(path.read_text()))
+    return resolve(cell, params, read_protocol(path))
 
 
 class Loaded(NamedTuple):
@@ -183,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
         cell = find_cell(params, args.stage)
     except (ParamsError, KeyError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
-    summary = run_cell(params, cell)
+    try:
+        summary = run_cell(params, cell)
+    except ProtocolFileError as e:
+        sys.exit(f"error: {e}")
     shown = {k: summary[f"final_{k}"] for k in ("gold", "proxy", "ood_gold", "kl") if f"final_{k}" in summary}
     print(f"{summary['stage']}: " + " ".join(f"{k} {v:.3f}" for k, v in shown.items()), f"({summary['wall_s']:.1f}s)")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 from ablations.config import PARAMS_FILE, ParamsError, load_params, read_yaml
+from pipelines.leftovers import temp_sibling
 
 PROFILES = Path("profiles")
 
@@ -70,14 +71,16 @@ def edit(params: Path, change, what: str):
     out = change(doc)
     buf = io.StringIO()
     rt.dump(doc, buf)
-    tmp = params.with_name(f".{params.name}.tmp")
-    tmp.write_text(buf.getvalue())
+    tmp = temp_sibling(params)  # a killed edit's leftover: pipelines.leftovers.clean_temp removes it
     try:
-        load_params(tmp)  # the same checks and one-line messages as params.yaml itself
-    except ParamsError as e:
-        tmp.unlink()
-        raise ParamsError(str(e).replace(str(tmp), what)) from None
-    os.replace(tmp, params)  # whole or not at all
+        tmp.write_text(buf.getvalue())
+        try:
+            load_params(tmp)  # the same checks and one-line messages as params.yaml itself
+        except ParamsError as e:
+            raise ParamsError(str(e).replace(str(tmp), what)) from None
+        os.replace(tmp, params)  # whole or not at all
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -128,7 +128,10 @@ def numbers_not_in_reports(
     only negatives. Numbers in link targets and the bare integers 1-4 (Q1..Q4) are ignored. ValueError when the README
     has no such section."""
     corpus, values = _report_numbers(reports_dir)
-    whole = lambda f: re.search(rf"(?<![\d.]){re.escape(f)}(?!\.?\d)", corpus) is not None
+
+    def whole(f: str) -> bool:
+        return re.search(rf"(?<![\d.]){re.escape(f)}(?!\.?\d)", corpus) is not None
+
     text = LINK_TARGET.sub("]", answer_section(readme_text, heading))
     missing: list[str] = []
     for token in dict.fromkeys(m.group() for m in NUMBER.finditer(text)):

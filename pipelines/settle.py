@@ -10,12 +10,17 @@ instances than the cap) appends the next batch of task seeds to ``<task>.instanc
 pre-registered sequence (the next consecutive seeds after the last one). The looks are taken in that order, so the
 decision at each look depends only on the instances before it (ablations/sequential.py). Interrupted, it leaves
 params.yaml valid (replaced whole) and every finished cell recorded; running it again picks up where it stopped.
+Killed, even by SIGKILL, it takes its runner with it (the runner gets SIGTERM: finished cells recorded). With
+``-- --no-analysis`` it runs the cells once and adds no batch: without reports there is nothing to decide on.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +29,22 @@ from ablations.config import PARAMS_FILE, ParamsError, load_params
 from pipelines.profile import edit
 
 REPORTS = Path("reports")
+RUNNER = [sys.executable, "-m", "pipelines.run"]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_settle(parent: int):
+    """The runner's preexec: the kernel sends it SIGTERM when settle dies, even by SIGKILL (Linux prctl
+    PR_SET_PDEATHSIG), so it stops as on Ctrl-C (finished cells recorded) instead of running on orphaned, holding
+    the runner lock that refuses the next `make settle`."""
+
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # settle died before prctl took effect
+            os._exit(143)
+
+    return preexec
 
 
 def open_questions(task: str, reports: Path = REPORTS) -> list[str]:
@@ -58,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     added = 0
     while True:
-        rc = subprocess.call([sys.executable, "-m", "pipelines.run", *args.runner])
+        rc = subprocess.call([*RUNNER, *args.runner], preexec_fn=_die_with_settle(os.getpid()))
         if rc:
             return rc
         try:
@@ -66,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         except ParamsError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if "--no-analysis" in args.runner:  # the reports were not refreshed: nothing to decide a batch on
+            print("settle: --no-analysis: the cells ran, no report was refreshed: no batch added (run without it)")
+            return 0
         todo = [t for t in params.tasks() if open_questions(t)]
         if not todo or (args.batches is not None and added >= args.batches):
             break
@@ -78,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"settle: {task} has open questions {', '.join(open_questions(task))}: adding instances {seeds}")
         added += 1
     for task in params.tasks():
+        if not (REPORTS / task / "stats.json").is_file():
+            print(f"settle: {task}: no report yet ({REPORTS / task / 'stats.json'})")
+            continue
         primary = json.loads((REPORTS / task / "stats.json").read_text()).get("primary") or {}
         lines = [f"{q} {r['verdict']} ({r['status']}, n = {r['n']})" for q, r in primary.items()]
         print(f"settle: {task}: " + "; ".join(lines))

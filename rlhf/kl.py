@@ -345,7 +345,9 @@ def resolve(kc: KLConfig, pg_mode: str = "token-mean") -> ResolvedKL:
     """``kc`` as the reward-side and loss-side functions of ``ResolvedKL`` (``placement_coefs``: 'both' has each),
     under a policy loss aggregated as ``pg_mode``."""
     reward, loss = placement_coefs(kc, 1.0)
-    targets = lambda traj: kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
+
+    def targets(traj):
+        return kl_target(kc, traj.logprobs, traj.logits, traj.ref_logprobs, traj.ref_logits)
 
     def reward_side(traj, logprobs, logits) -> torch.Tensor:
         target_logprobs, target_logits = targets(traj)
@@ -584,11 +586,21 @@ if __doc__ is not None:  # None under python -OO
 
 def contract_markdown() -> str:
     """CONTRACT as the README's markdown table."""
-    rows = ["| # | placement | estimator | options | target | algorithm | on-policy | off-policy (π_old ≠ π) | src |",
-            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = (
+        "#",
+        "placement",
+        "estimator",
+        "options",
+        "target",
+        "algorithm",
+        "on-policy",
+        "off-policy (π_old ≠ π)",
+        "src",
+    )
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(CONTRACT, 1):
         opts = " + ".join(o for o, on in (("is_weight", r.is_weight), ("return_to_go", r.return_to_go)) if on) or "–"
-        cells = [str(i), "/".join(r.placement), ", ".join(r.estimator), opts, ", ".join(r.target),
-                 ", ".join(r.algorithm), r.on_policy, r.off_policy, r.source]  # fmt: skip
+        cells = [str(i), "/".join(r.placement), ", ".join(r.estimator), opts, ", ".join(r.target)]
+        cells += [", ".join(r.algorithm), r.on_policy, r.off_policy, r.source]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)

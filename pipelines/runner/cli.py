@@ -27,7 +27,7 @@ from pipelines.runner.signals import POLL_S, Interrupted, RunnerError, Signals, 
 from pipelines.runner.worker import RAN_WITH, ppo_cell, upstream_stage
 
 
-def _progress(i: int, n: int, cell: Cell, s: dict, elapsed: float) -> str:
+def _progress(i: int, n: int, job: plan.Job, s: dict, elapsed: float) -> str:
     shown = [
         ("gold", "final_gold", 3),
         ("proxy", "final_proxy", 3),
@@ -35,33 +35,34 @@ def _progress(i: int, n: int, cell: Cell, s: dict, elapsed: float) -> str:
         ("KL", "final_kl", 2),
     ]
     values = " ".join(f"{label} {s[k]:.{d}f}" for label, k, d in shown if isinstance(s.get(k), int | float))
-    return f"[{i}/{n}] {cell.stage}: {values}{' ' if values else ''}({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
+    return f"[{i}/{n}] {job.stage}: {values}{' ' if values else ''}({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
 
 
-def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
-    """Runs ``todo`` (cells, or Upstream stages: when one finishes, its ``next`` is queued) on ``backend``,
-    recording finished ones as they finish; returns the failed stages. On a signal (or an error of the runner
-    itself) stops the workers, marks the unfinished stages' MLflow runs FAILED and records every finished one
-    before raising."""
+def run_cells(todo: list[plan.Job], backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
+    """Runs ``todo`` (jobs: cells, populations of cells, or upstream stages, whose ``then`` is queued when they
+    finish) on ``backend``, recording each job's ``records`` as it finishes; returns the failed stages. On a signal
+    (or an error of the runner itself) stops the workers, marks the unfinished stages' MLflow runs FAILED and records
+    every finished one before raising."""
     root, start, what = str(Path.cwd()), time.perf_counter(), recorder.what
-    pending = {backend.submit(root, c, run_cell): c for c in todo}
-    n, done = len(todo) + sum(len(getattr(c, "rest", ())) for c in todo), 0
+    pending = {backend.submit(root, job.work, run_cell): job for job in todo}
+    n, done = sum(job.chain for job in todo), 0
     failed: list[str] = []
     try:
         while pending and not sig.signum:
             for handle in backend.wait(set(pending), POLL_S):
-                cell, done = pending.pop(handle), done + 1
+                job, done = pending.pop(handle), done + 1
                 try:
                     s = backend.result(handle)
                 except Exception as e:  # report and go on: the other cells are still worth having
-                    failed.append(cell.stage)
-                    print(f"[{done}/{n}] FAILED {cell.stage}: {tracking.fault_line(e) or last_line(e)}", flush=True)
+                    failed.append(job.stage)
+                    print(f"[{done}/{n}] FAILED {job.stage}: {tracking.fault_line(e) or last_line(e)}", flush=True)
                     continue
-                print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
-                for member in getattr(cell, "cells", (cell,)):  # a population (pipelines/population.py): each cell
+                print(_progress(done, n, job, s, time.perf_counter() - start), flush=True)
+                for member in job.records:
                     recorder.add(member, s.get(RAN_WITH))
-                if getattr(cell, "next", None) and s.get(RAN_WITH) is not None:
-                    pending[backend.submit(root, cell.next, run_cell)] = cell.next
+                if job.then is not None and s.get(RAN_WITH) is not None:
+                    after = plan.upstream_job(job.then)
+                    pending[backend.submit(root, after.work, run_cell)] = after
             recorder.poll()
     finally:
         if pending:
@@ -69,7 +70,7 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
             backend.stop(list(pending))
         recorder.finish()
         if pending:
-            stopped = {m.stage for c in pending.values() for m in getattr(c, "cells", (c,))}
+            stopped = {m.stage for job in pending.values() for m in job.records}
             mlflow_runs.fail_runs(experiment, "stopped by the grid runner", stopped)
     sig.check(
         f"{len(recorder.recorded)} finished {what} are recorded in dvc.lock, {len(pending)} were stopped "
@@ -110,7 +111,8 @@ class Sweep:
             return
         print(f"{len(ups)} upstream chains to build: {', '.join(u.stage for u in ups)}", flush=True)
         recorder = Recorder(self.env, self.args.commit_every, "upstream stages")
-        failed = run_cells(ups, self.backend(), recorder, self.sig, self.run_stage, self.params.mlflow.experiment)
+        jobs = [plan.upstream_job(u) for u in ups]
+        failed = run_cells(jobs, self.backend(), recorder, self.sig, self.run_stage, self.params.mlflow.experiment)
         if failed:
             raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
         check_stale(recorder)
@@ -123,13 +125,15 @@ class Sweep:
         print(f"{len(todo)} of {len(grid)} {what} to run on {where}", flush=True)
         if not todo:
             return
-        run_cell = self.run_cell
+        run_cell, jobs = self.run_cell, plan.cell_jobs(todo)
         if self.args.population:  # groups of cells, each group one batched computation in a worker
             from pipelines import population
 
-            todo, run_cell = population.plan(self.params, todo, self.args.population), population.executor(run_cell)
+            items = population.plan(self.params, todo, self.args.population)
+            jobs = [plan.Job(x, x.cells if isinstance(x, population.Group) else (x,)) for x in items]
+            run_cell = population.executor(run_cell)
         recorder = Recorder(self.env, self.args.commit_every)
-        failed = run_cells(todo, self.backend(), recorder, self.sig, run_cell, self.params.mlflow.experiment)
+        failed = run_cells(jobs, self.backend(), recorder, self.sig, run_cell, self.params.mlflow.experiment)
         if failed:
             n, names = len(failed), ", ".join(failed)
             raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")

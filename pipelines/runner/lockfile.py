@@ -85,7 +85,7 @@ def shell_probe(env: dict[str, str], command: str) -> tuple[list[str], dict[str,
     return _make_cmd(env.get("SHELL") or "/bin/sh", command), fix_env(env)
 
 
-REFUSED = "not recorded: "  # commit's stdout line for a stage whose params changed after it ran
+REFUSED = "not recorded: "  # commit's stdout line for a stage whose params or input files changed after it ran
 
 
 def _lookup(tree, key: str):
@@ -100,7 +100,8 @@ def _lookup(tree, key: str):
 
 def changed_params(stage, ran_with: str | None) -> str | None:
     """The first params key whose value DVC is about to record for ``stage`` (after ``stage.save()``) differs from
-    the params.yaml text ``ran_with`` the stage ran with; None if every one matches."""
+    the params.yaml text ``ran_with`` the stage ran with; None if every one matches (a comment, or a value the stage
+    does not declare, is no change)."""
     from dvc.dependency.param import ParamsDependency
     from ruamel.yaml import YAML
 
@@ -115,23 +116,44 @@ def changed_params(stage, ran_with: str | None) -> str | None:
     return None
 
 
+def changed_input(stage, ran_with: dict | str | None) -> str | None:
+    """What ``stage`` ran with (pipelines/runner/worker.py ``ran_with``; a bare string is the params text) that DVC
+    would not record as such: the first changed params key (``changed_params``), else the first file dependency
+    whose md5 now (after ``stage.save()``) is not the one the stage read, or that changed while it ran; None if
+    nothing did."""
+    if not isinstance(ran_with, dict):
+        ran_with = {"params": ran_with, "files": {}}
+    key = changed_params(stage, ran_with.get("params"))
+    if key is not None:
+        return key
+    read = ran_with.get("files") or {}
+    for dep in stage.deps:
+        path = str(dep.def_path)
+        if path in read and (read[path] is None or read[path] != (dep.hash_info.value if dep.hash_info else None)):
+            return path
+    return None
+
+
 def refused(log: str) -> list[str]:
-    """The stages a commit left unrecorded because their params changed (from its output ``log``)."""
+    """The stages a commit left unrecorded because their params or input files changed (from its output ``log``)."""
     return [line.removeprefix(REFUSED).split(":")[0] for line in log.splitlines() if line.startswith(REFUSED)]
 
 
-def commit(names: list[str], ran_with: dict[str, str | None] | None = None) -> None:
+def commit(names: list[str], ran_with: dict[str, dict | None] | None = None) -> None:
     """Records the finished stages ``names`` in dvc.lock exactly as ``dvc commit --force`` does (per stage:
     ``stage.save()``, ``stage.commit()``; then one ``dump_stages`` per dvc.yaml: dvc/repo/commit.py), but collects
     the pipeline once: the CLI re-parses dvc.yaml and rewrites dvc.lock once per named target (~3 s of CPU each at
-    100 cells).
+    100 cells). It waits for DVC's repository lock (a `dvc repro` beside the runner holds it: its first stage is
+    refused, tracking.refuse_beside_runner) instead of failing, and then removes from dvc.lock every stage dvc.yaml
+    no longer defines (``prune``).
 
-    ``ran_with``: the params.yaml text each stage ran with; a stage whose params as DVC records them now differ
-    from it is not recorded (it stays stale) and named on stdout (``REFUSED``): what is recorded is what ran."""
+    ``ran_with``: what each stage ran with (pipelines/runner/worker.py ``ran_with``); a stage whose params as DVC
+    records them now, or whose file dependencies, differ from it is not recorded (it stays stale) and named on
+    stdout (``REFUSED``): what is recorded is what ran."""
     from dvc.repo import Repo, lock_repo
 
     logging.getLogger("dvc").setLevel(logging.WARNING)  # the runner prints its own line
-    with Repo() as repo, lock_repo(repo):
+    with Repo(_wait_for_lock=True) as repo, lock_repo(repo):
         stages = {s.addressing: s for s in repo.index.stages}
         unknown = [n for n in names if n not in stages]
         if unknown:
@@ -139,7 +161,7 @@ def commit(names: list[str], ran_with: dict[str, str | None] | None = None) -> N
         chosen = []
         for stage in (stages[n] for n in names):
             stage.save()
-            key = changed_params(stage, ran_with[stage.addressing]) if ran_with is not None else None
+            key = changed_input(stage, ran_with[stage.addressing]) if ran_with is not None else None
             if key is not None:
                 print(f"{REFUSED}{stage.addressing}: {key} changed after it started", flush=True)
                 continue
@@ -150,6 +172,26 @@ def commit(names: list[str], ran_with: dict[str, str | None] | None = None) -> N
             by_file.setdefault(stage.dvcfile.path, (stage.dvcfile, []))[1].append(stage)
         for dvcfile, group in by_file.values():
             dvcfile.dump_stages(group, update_pipeline=False)
+        pruned = prune(set(stages))
+    if pruned:
+        print(f"dvc.lock: removed {len(pruned)} entries of stages dvc.yaml no longer defines, e.g. {pruned[0]}")
+
+
+def prune(defined: set[str], lock: Path = LOCK) -> list[str]:
+    """Removes from ``lock`` the entries of stages not in ``defined`` (dvc.yaml's stages at the current params:
+    leftovers of earlier designs or of another profile, whose commit keeps them); returns their names. DVC keeps
+    such entries forever; a reader looking a path up in dvc.lock would find the stale one first. Under DVC's
+    repository lock (``commit``); written through DVC's own YAML round trip (atomic: ``patch_dvc``)."""
+    from dvc.utils.serialize import load_yaml, modify_yaml
+
+    if not lock.exists():
+        return []
+    gone = [name for name in load_yaml(lock).get("stages") or {} if name not in defined]
+    if gone:
+        with modify_yaml(lock) as doc:
+            for name in gone:
+                del doc["stages"][name]
+    return gone
 
 
 def problem(path: Path = LOCK) -> str | None:

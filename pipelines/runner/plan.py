@@ -32,6 +32,30 @@ class Upstream:
         return Upstream(self.rest[0], self.rest[1:]) if self.rest else None
 
 
+@dataclass(frozen=True)
+class Job:
+    """One submission to a worker: ``work`` is what the worker runs (a Cell, a population's Group of cells, or an
+    Upstream stage), ``records`` the stages dvc.lock records when it finishes, ``then`` the Upstream stage that runs
+    after it (the rest of its chain; ``chain`` counts it and those after it, for the progress count)."""
+
+    work: object
+    records: tuple
+    then: Upstream | None = None
+    chain: int = 1
+
+    @property
+    def stage(self) -> str:
+        return self.work.stage
+
+
+def cell_jobs(cells: list[Cell]) -> list[Job]:
+    return [Job(c, (c,)) for c in cells]
+
+
+def upstream_job(up: Upstream) -> Job:
+    return Job(up, (up,), up.next, 1 + len(up.rest))
+
+
 def stale_chains(chains: list[list[str]], env: dict[str, str], sig: Signals) -> list[Upstream]:
     """The first stale stage of each chain (per one `dvc status --json`), with the rest of its chain after it:
     once a stage reruns, every stage after it must too (they depend on its outputs)."""

@@ -24,22 +24,24 @@ class Recorder:
         self.waiting: list[Cell] = []
         self.batch: list[Cell] = []
         self.recorded: list[Cell] = []
-        self.stale: list[str] = []  # finished, but params.yaml changed before they were recorded: left stale
-        self.ran_with: dict[str, str] = {}
+        self.stale: list[str] = []  # finished, but what they ran with changed before they were recorded: left stale
+        self.ran_with: dict[str, dict] = {}
         self.proc: subprocess.Popen | None = None
         self.last = float("-inf")
         self.retried = False  # a commit killed by a signal is retried once
 
-    def add(self, cell: Cell, ran_with: str | None) -> None:
-        """Queues a finished cell for recording, unless params.yaml changed while it ran (``ran_with`` None)."""
-        if ran_with is None:
-            return self._left_stale(cell.stage)
+    def add(self, cell: Cell, ran_with: dict | None) -> None:
+        """Queues a finished cell for recording (``ran_with``: pipelines/runner/worker.py ``ran_with``), unless
+        params.yaml changed while the cell read it."""
+        if ran_with is None or ran_with.get("params") is None:
+            return self._left_stale(f"{cell.stage}: params.yaml changed while it was read")
         self.ran_with[cell.stage] = ran_with
         self.waiting.append(cell)
 
-    def _left_stale(self, stage: str) -> None:
-        self.stale.append(stage)
-        print(f"not recorded: {stage}: params.yaml changed after it started; it stays stale", flush=True)
+    def _left_stale(self, why: str) -> None:
+        """``why``: "<stage>: <what changed>"."""
+        self.stale.append(why.split(":")[0])
+        print(f"{lockfile.REFUSED}{why}; it stays stale", flush=True)
 
     def poll(self, flush: bool = False) -> None:
         """Collects a finished commit; starts the next batch when due (``flush``: as soon as possible)."""
@@ -69,9 +71,11 @@ class Recorder:
         if rc:
             why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else last_line(self.log.read_text())
             raise RunnerError(f"recording {len(self.batch)} finished {self.what} in dvc.lock failed: {why}")
-        refused = lockfile.refused(self.log.read_text())
-        for stage in refused:
-            self._left_stale(stage)
+        log = self.log.read_text()
+        refused = lockfile.refused(log)
+        for line in log.splitlines():
+            if line.startswith(lockfile.REFUSED):
+                self._left_stale(line.removeprefix(lockfile.REFUSED))
         self.recorded += [c for c in self.batch if c.stage not in refused]
         n, total = len(self.batch) - len(refused), len(self.recorded)
         print(f"dvc.lock: recorded {n} more finished {self.what} ({total} so far)", flush=True)
@@ -86,10 +90,10 @@ class Recorder:
 
 
 def check_stale(recorder: Recorder) -> None:
-    """Fails (one line) if finished stages were left unrecorded because params.yaml changed under them."""
+    """Fails (one line) if finished stages were left unrecorded because what they ran with changed under them."""
     if recorder.stale:
         n, names = len(recorder.stale), ", ".join(recorder.stale)
         raise RunnerError(
-            f"params.yaml changed while the runner ran: {n} finished {recorder.what} were left stale, not recorded "
-            f"({names}); run again to compute them with the current values"
+            f"params.yaml or a protocol file changed while the runner ran: {n} finished {recorder.what} were left "
+            f"stale, not recorded ({names}); run again to compute them with the current values"
         )

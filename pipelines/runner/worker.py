@@ -1,19 +1,21 @@
 """What runs in a worker process, local (pipelines.runner.local) or Ray (pipelines.runner.ray): one cell or one
-upstream stage, with the params.yaml text it ran with."""
+upstream stage, with what it ran with (the params.yaml text and the protocol files it read)."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from ablations.config import PARAMS_FILE, load_params
-from ablations.grid import Cell, find_cell
+from ablations.grid import PROTOCOL_DIR, Cell, find_cell
 from pipelines.runner import mlflow_runs
 from pipelines.runner.plan import Upstream
 from pipelines.runner.signals import EXIT
@@ -49,7 +51,8 @@ def init_worker(parent: int, gpus=None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
 
 
-RAN_WITH = "ran_with"  # a worker's summary key: the params.yaml text the cell ran with (None: it changed meanwhile)
+RAN_WITH = "ran_with"  # a worker's summary key: what the cell ran with (``ran_with``), which dvc.lock must record
+INPUT_FILES = f"{PROTOCOL_DIR.as_posix()}/*.json"  # what a cell reads beside params.yaml and may change mid-run
 
 
 def _params_text() -> str | None:
@@ -59,15 +62,32 @@ def _params_text() -> str | None:
         return None
 
 
+def _md5s() -> dict[str, str]:
+    """{path: md5} of INPUT_FILES as they are now (DVC's md5 of a file dependency is that of its bytes)."""
+    return {p.as_posix(): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(Path().glob(INPUT_FILES))}
+
+
+def ran_with(params_text: str | None, before: dict[str, str], after: dict[str, str]) -> dict:
+    """What a stage ran with, for the recording (pipelines/runner/lockfile.py ``commit``): {"params": the params.yaml
+    text it read (None when the file changed while it was read), "files": {path: md5 of each INPUT_FILES file as
+    the stage read it, None when it changed while the stage ran}}. The recording refuses a stage whose declared
+    params values or file dependencies differ from these, and only those: a comment added to params.yaml, or an
+    edit of a value or a file the stage does not depend on, leaves it recorded."""
+    files = {p: (md5 if after.get(p) == md5 else None) for p, md5 in before.items()}
+    return {"params": params_text, "files": files}
+
+
 def cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
     """One cell in a worker process (local or Ray): torch threads are set per process by run_cell. The cell is
     taken from params.yaml as it is now (its arm's KL spec may have changed since the runner started), and the
-    summary carries the params.yaml text it ran with (``RAN_WITH``; None if the file changed while it ran), which
-    the recording compares with what DVC records (pipelines/runner/lockfile.py ``commit``)."""
+    summary carries what it ran with (``RAN_WITH``, ``ran_with``), which the recording compares with what DVC
+    records (pipelines/runner/lockfile.py ``commit``)."""
     os.chdir(root)  # Ray workers need the repository on a shared filesystem at the same path
     try:
-        before = _params_text()
+        before, files = _params_text(), _md5s()
         params = load_params()
+        if _params_text() != before:  # changed while it was read: which values the cell took is unknown
+            before = None
         if isinstance(cell, Cell):
             cell = find_cell(params, cell.stage)
         summary = run_cell(params, cell)
@@ -75,7 +95,7 @@ def cell_in_worker(root: str, cell: Cell, run_cell) -> dict:
         raise RuntimeError(e.args[0]) from None
     except KeyboardInterrupt:  # SIGTERM during the cell: its MLflow run is marked FAILED by now
         os._exit(EXIT[signal.SIGTERM])
-    return {**summary, RAN_WITH: before if _params_text() == before else None}
+    return {**summary, RAN_WITH: ran_with(before, files, _md5s())}
 
 
 def ppo_cell(params, cell: Cell) -> dict:
@@ -85,20 +105,26 @@ def ppo_cell(params, cell: Cell) -> dict:
     return run_cell(params, cell)
 
 
+def upstream_mains() -> dict:
+    """{stage kind: its script's main}, for the upstream stages (dvc.yaml: `python -m pipelines.<kind>`). Imported
+    here, in the worker, not by the runner: they load torch."""
+    from pipelines import data, rm, sft
+
+    return {"data": data.main, "sft": sft.main, "rm": rm.main}
+
+
 def upstream_stage(params, up: Upstream) -> dict:
     """Runs upstream stage ``up.stage`` in this worker exactly as its dvc.yaml command does: `python -m
     pipelines.<kind> <task> <instance>` is ``pipelines.<kind>.main([task, instance])`` (tests/pipelines/test_run.py
     checks dvc.yaml's commands). In the worker, not a subprocess, so that a stopped worker stops the stage with it
     and tracking.stage_run marks its MLflow run FAILED, as for a cell. The stage writes its outputs atomically."""
-    import importlib
-
     group, instance = up.stage.split("@")
     task, kind = group.rsplit("_", 1)
     task = task.removesuffix("_calibration")  # grammar_calibration_sft@0: the grammar task's sft stage
     mlflow_runs.ready(params.mlflow.experiment)
     start = time.perf_counter()
     try:
-        importlib.import_module(f"pipelines.{kind}").main([task, instance])
+        upstream_mains()[kind]([task, instance])
     except SystemExit as e:  # a stage's one-line refusal
         raise RuntimeError(str(e)) from None
     return {"wall_s": time.perf_counter() - start}

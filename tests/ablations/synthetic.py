@@ -126,12 +126,21 @@ PRIMARY = {
     "Q4": dict(arm="loss_k3", other="reward_k1", role="tuned", metric="gold"),
 }
 CALIBRATION_COEFS = {"grammar": (0.01, 0.03, 0.1, 0.3), "arithmetic": (0.03, 0.1, 0.3, 1.0)}
+
+
+def _params() -> dict:
+    """The repository's params.yaml: every protocol and calibration value the synthetic grid does not plant comes
+    from there, so a new knob needs a value in params.yaml only (never a copy here)."""
+    from ..conftest import repo_params
+
+    return repo_params()
+
+
+# each task's calibration rules: params.yaml's, on the synthetic calibration instances and coefficients
 RULES = {
-    "grammar": dict(instances=[0, 1, 2], coefs=list(CALIBRATION_COEFS["grammar"]), margin_fraction=0.25,
-                    gain="peak", target=dict(at="peak", fraction=1.0)),
-    "arithmetic": dict(instances=[0, 1, 2], coefs=list(CALIBRATION_COEFS["arithmetic"]), margin_fraction=0.25,
-                       gain="final", target=dict(at="final", fraction=0.5)),
-}  # fmt: skip
+    task: {**_params()[task]["calibration"], "instances": [0, 1, 2], "coefs": list(coefs)}
+    for task, coefs in CALIBRATION_COEFS.items()
+}
 
 
 def calibrated(task: str = "grammar", **overrides) -> dict:
@@ -332,18 +341,16 @@ def write_calibration_runs(
 
 
 def protocol(tasks=("grammar",), **overrides):
-    """An AnalysisParams for the synthetic grid (values as in params.yaml, but a cap of 12 instances: 3 looks of
-    4, the first two unreachable by the exact test at alpha/4/3, the third reachable) unless overridden."""
+    """An AnalysisParams for the synthetic grid: params.yaml's analysis section (every knob), but a cap of 12
+    instances (3 looks of 4, the first two unreachable by the exact test at alpha/4/3, the third reachable), the
+    synthetic arms and questions and ``overrides``."""
     from ablations.config import AnalysisParams
 
-    per_task = {
-        "grammar": dict(metrics=["gold"], min_log_kl_reduction=math.log(2), kl_tolerance=0.25),
-        "arithmetic": dict(metrics=["gold", "ood_gold"], min_log_kl_reduction=math.log(2), kl_tolerance=0.25),
-    }
-    raw = dict(reference_arm=REFERENCE, alpha=0.05, power=0.8, min_hit_rate=0.8, bimodality_alpha=0.01,
-               sequential=dict(batch_size=4, cap=12, rho=1.0), primary=PRIMARY)  # fmt: skip
+    analysis = _params()["analysis"]
+    raw = {**analysis, "reference_arm": REFERENCE, "primary": PRIMARY}
+    raw["sequential"] = {**analysis["sequential"], "batch_size": 4, "cap": 12}
     raw.update(overrides)
-    raw["tasks"] = {t: per_task[t] for t in tasks}
+    raw["tasks"] = {t: {**analysis["tasks"][t], "min_log_kl_reduction": math.log(2)} for t in tasks}  # exactly ln 2
     return AnalysisParams(**raw)
 
 

@@ -19,8 +19,9 @@ REF = "reward_k1"
 
 
 def rules(gain="peak", at="peak", fraction=1.0, margin_fraction=0.25, coefs=(0.01, 0.1, 1.0)) -> CalibrationParams:
-    return CalibrationParams(instances=[0, 1], coefs=list(coefs), margin_fraction=margin_fraction, gain=gain,
-                             target=dict(at=at, fraction=fraction))  # fmt: skip
+    """params.yaml's grammar calibration rules (any other knob) with these values."""
+    varied = dict(instances=[0, 1], coefs=list(coefs), margin_fraction=margin_fraction, gain=gain)
+    return CalibrationParams(**{**syn.RULES["grammar"], **varied, "target": dict(at=at, fraction=fraction)})
 
 
 # the no-KL runs: (instance, seed) -> (gold per evaluation, exact KL per evaluation); evaluation 0 is the SFT policy

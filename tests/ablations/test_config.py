@@ -47,8 +47,9 @@ BAD = [
         ", ".join(map(repr, ESTIMATORS[:-1])) + f" or {ESTIMATORS[-1]!r}",  # pydantic's words for rlhf.config's list
     ),
     ("negative coefficient", lambda p: p["grammar"].update(coefs=[-0.1]), "grammar.coefs"),
-    ("infinite coefficient", lambda p: p["grammar"].update(coefs=[float("inf")]), "grammar.coefs.0"),
-    ("NaN coefficient", lambda p: p["grammar"].update(coefs=[float("nan")]), "grammar.coefs.0"),
+    ("infinite coefficient", lambda p: p["grammar"].update(coefs=[float("inf")]), "grammar.coefs.0: must be finite"),
+    ("NaN coefficient", lambda p: p["grammar"].update(coefs=[float("nan")]), "grammar.coefs.0: must be finite"),
+    ("infinite KL target", lambda p: p["grammar"].update(kl_targets=[-float("inf")]), "kl_targets.0: must be finite"),
     ("no seeds", lambda p: p["grid"].update(seeds=[]), "grid.seeds"),
     ("duplicate instance", lambda p: p["grammar"].update(instances=[0, 0]), "duplicate instance 0"),
     ("negative KL target", lambda p: p["grammar"].update(kl_targets=[-1.0]), "grammar.kl_targets"),
@@ -252,3 +253,18 @@ def test_exploratory_cells_may_be_empty():
     params = load_params(REPO / "params.yaml")
     assert params.grammar.coefs == [] and params.grammar.kl_targets == []  # the design alone runs by default
     assert params.grid.design_cells()[0] == ("reward_k1", "coef")
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "empty (no key, only comments or nothing)"),
+        ("# only a comment\n\n", "empty (no key, only comments or nothing)"),
+        ("grid: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+        ("grid: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", "nested too deeply"),
+    ],
+    ids=["empty", "comments only", "3000-deep list", "3000-deep mapping"],
+)
+def test_a_file_that_is_not_params_fails_in_one_line(tmp_path, text, words):
+    """Issue 30: these gave tracebacks (AttributeError from the anchors check, RecursionError)."""
+    assert words in check(tmp_path, text)

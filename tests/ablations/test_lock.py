@@ -76,6 +76,19 @@ def test_rerun_after_the_change_is_judged_by_the_new_protocol(repo):
     assert s.results_after_lock is True and s.amendments == ()
 
 
+def test_committed_params_are_read_as_yaml_1_2(repo):
+    """As DVC and the params check read params.yaml (YAML 1.2): 1e-3 and 0.001 are the same number (YAML 1.1 reads
+    1e-3 as a string, so rewriting it looked like a protocol amendment) and 010 is 10, not octal 8."""
+    text = "analysis:\n  margins: {gold: 1e-3}\n  cap: 010\ngrid:\n  kl_targets: [2.0, 8.0]\n"
+    (repo / "params.yaml").write_text(text)
+    c1 = commit(repo, "protocol")
+    commit(repo, "results", lock={"fixed@a": outs("1"), "fixed@b": outs("2")})
+    (repo / "params.yaml").write_text(text.replace("1e-3", "0.001").replace("010", "10"))
+    commit(repo, "the same values, written otherwise")
+    s = protocol_lock(repo, WATCHED, CELLS)
+    assert s.lock.commit == c1 and s.amendments == ()
+
+
 def test_same_commit_and_uncommitted_changes_are_reported(repo):
     commit(repo, "protocol and results together", params(0.03), {"fixed@a": outs("1"), "fixed@b": outs("2")})
     (repo / "params.yaml").write_text(yaml.safe_dump(params(0.04)))

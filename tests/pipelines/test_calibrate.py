@@ -47,3 +47,42 @@ def test_a_design_cell_refuses_to_run_before_the_calibration(params_copy):
     baseline = next(c for c in evaluation_cells(params) if c.kind == "baseline")
     assert resolved(params, baseline) is baseline  # only design cells need the protocol
     assert protocol_path("grammar") == Path("protocol/grammar.json")
+
+
+def test_a_killed_protocol_write_leaves_a_temporary_file_the_runner_removes(tmp_path, monkeypatch):
+    """Issue 30: the fixed-name protocol/.<task>.json.tmp of a killed write was never cleaned (pipelines.leftovers)."""
+    from pipelines.leftovers import clean_temp
+
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate.os, "replace", killed)
+    monkeypatch.setattr(calibrate.Path, "unlink", lambda *a, **k: None)  # a kill runs no cleanup
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.write_json(tmp_path / "protocol/grammar.json", {"coef": 0.1})
+    monkeypatch.undo()
+    left = list((tmp_path / "protocol").iterdir())
+    assert len(left) == 1 and not (tmp_path / "protocol/grammar.json").exists()
+    assert clean_temp(tmp_path) == left and not list((tmp_path / "protocol").iterdir())
+
+
+@pytest.mark.parametrize("text", ['{"coef": 0.1, "tuned": {"reward_k1"', "", "[1, 2]"])
+def test_a_cut_protocol_file_fails_in_one_line_naming_it(params_copy, monkeypatch, text):
+    """Issue 30: a truncated protocol/<task>.json read by a design cell or the analysis gave a 20-line
+    JSONDecodeError that did not name the file."""
+    from pipelines import analysis, ppo
+
+    monkeypatch.setenv("RLHF_CPU_PIN", "off")  # torch came before pipelines in this process
+    path = params_copy / "protocol/grammar.json"
+    path.parent.mkdir()
+    path.write_text(text)
+    params = load_params()
+    cell = next(c for c in evaluation_cells(params) if c.kind == "design")
+    with pytest.raises(SystemExit) as e:
+        ppo.main([cell.stage])
+    message = str(e.value.code)
+    assert message.startswith("error: protocol/grammar.json: ") and "\n" not in message, message
+    assert "git checkout protocol/grammar.json" in message and "dvc repro grammar_calibrate" in message
+    with pytest.raises(ValueError, match=r"^protocol/grammar\.json: ") as err:
+        analysis.main("grammar")
+    assert "\n" not in str(err.value)

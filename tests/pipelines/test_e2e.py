@@ -29,8 +29,19 @@ def md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
+@pytest.fixture(scope="module")
+def ran(repo) -> dict:
+    """The tiny grid run once by the runner in the module's repository, and what it left right after: the runner's
+    stdout, `dvc status`, what a second `dvc repro` runs, the MLflow runs. Every test of this module that needs
+    results depends on it, so each passes alone and in any order (issue 30)."""
     out = sh(repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
+    status = json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}")
+    again = sh(repo, sys.executable, "-m", "dvc", "repro").stdout
+    return {"out": out, "status": status, "again": again, "runs": visible_runs(repo)}
+
+
+def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo, ran):
+    out = ran["out"]
     chains = "3 upstream chains to build: grammar_calibration_data@0, grammar_data@10, grammar_data@11"
     assert chains in out.stdout, out.stdout
     assert "dvc.lock: recorded" in out.stdout and "Running stage 'grammar_sft" not in out.stdout  # built by the pool
@@ -51,11 +62,9 @@ def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     assert stats["n_runs"] == 18 and set(stats["primary"]) == {"Q1", "Q2", "Q3", "Q4"}
     assert (repo / "reports/grammar/report.md").read_text().strip()
     assert (repo / "reports/grammar/answer.md").read_text().strip()
-    status = sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout
-    assert json.loads(status or "{}") == {}, status
-    again = sh(repo, sys.executable, "-m", "dvc", "repro").stdout
-    assert "Running stage" not in again, again
-    runs = visible_runs(repo)
+    assert ran["status"] == {}, ran["status"]
+    assert "Running stage" not in ran["again"], ran["again"]
+    runs = ran["runs"]
     upstream = {f"grammar_{s}@{i}" for s in ("sft", "rm") for i in (10, 11)}
     upstream |= {"grammar_calibration_sft@0", "grammar_calibration_rm@0"}
     assert set(runs) == upstream | ALL_CELLS | {"grammar_analysis"}
@@ -80,7 +89,7 @@ def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo):
     assert float(matched.data.params["kl.adaptive_target"]) == pytest.approx(protocol["kl_target"])
 
 
-def test_no_design_cell_can_run_before_the_calibration(repo):
+def test_no_design_cell_can_run_before_the_calibration(repo, ran):
     """Every design cell depends on the calibration's output: dvc.lock records protocol/grammar.json (its md5 now)
     in each design cell's deps, so a changed protocol makes every design cell stale and no other evaluation cell."""
     protocol = repo / "protocol/grammar.json"
@@ -110,7 +119,7 @@ def test_no_design_cell_can_run_before_the_calibration(repo):
         (repo / "protocol.json.away").rename(protocol)
 
 
-def test_adding_an_instance_runs_only_its_stages_and_rerun_keeps_one_run(repo):
+def test_adding_an_instance_runs_only_its_stages_and_rerun_keeps_one_run(repo, ran):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["grammar"]["instances"] = [10, 11, 12]
     params["analysis"]["sequential"]["batch_size"] = 1  # whole batches; the cells do not depend on it
@@ -151,7 +160,7 @@ def test_bad_params_fail_before_any_compute_and_write_nothing(repo):
         (repo / "params.yaml").write_text(good)
 
 
-def test_killed_cell_leaves_nothing_complete_and_is_redone(repo):
+def test_killed_cell_leaves_nothing_complete_and_is_redone(repo, ran):
     stage, out_dir = "grammar_baseline@10-0", repo / "runs/grammar/baseline/10-0"
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["grammar"]["ppo"]["iterations"] = 400  # long enough to be killed mid-run

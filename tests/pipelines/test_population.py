@@ -14,6 +14,7 @@ from ablations.grid import calibration_cells
 from pipelines import population
 from tests.conftest import repo_params
 from tests.pipelines.fakes import committed, env, runner_script
+from tests.pipelines.procs import HANG_S
 from tests.pipelines.tiny import ALL_CELLS, TINY, make_repo, sh, visible_runs
 
 PARAMS = Params.model_validate(repo_params(TINY))
@@ -67,7 +68,7 @@ def test_the_runner_runs_groups_and_records_every_cell(workdir):
     argv = ["--workers", "2", "--commit-every", "0", "--calibration-only", "--population", "3"]
     out = subprocess.run(
         [sys.executable, "-c", script, *argv], cwd=workdir, env=env(workdir, FAKE_FAST="1000"),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert set(committed(workdir / "fake.lock")) == {c.stage for c in CAL}  # every cell, recorded as a cell

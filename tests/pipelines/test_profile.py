@@ -105,3 +105,36 @@ def test_non_utf8_profile_or_params_fails_in_one_line(repo, which):
     with pytest.raises(ParamsError, match=r"not UTF-8 text \(byte \d+ is 0xe9\); save it as UTF-8$") as err:
         apply("p", repo / "params.yaml", repo / "profiles")
     assert "\n" not in str(err.value) and str(target) in str(err.value)
+
+
+def test_an_empty_profile_fails_in_one_line(repo):
+    """Issue 30: an empty (or comments-only) profile gave an AttributeError traceback."""
+    before = (repo / "params.yaml").read_bytes()
+    for text in ("", "# nothing but a comment\n"):
+        write(repo, "empty", text)
+        with pytest.raises(ParamsError, match=r"empty.yaml: empty \(no key, only comments or nothing\)") as err:
+            apply("empty", repo / "params.yaml", repo / "profiles")
+        assert "\n" not in str(err.value)
+    assert (repo / "params.yaml").read_bytes() == before
+
+
+def test_an_edit_killed_before_its_rename_leaves_a_temporary_file_the_runner_removes(repo, monkeypatch):
+    """Issue 30: the fixed-name .params.yaml.tmp of a killed edit was never cleaned (pipelines.leftovers)."""
+    from pipelines import profile
+    from pipelines.leftovers import clean_temp
+
+    write(repo, "p", "grid:\n  seeds: [0, 1]\n")
+    before = (repo / "params.yaml").read_bytes()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # as a SIGINT between the validation and the rename
+
+    monkeypatch.setattr(profile.os, "replace", killed)
+    monkeypatch.setattr(profile.Path, "unlink", lambda *a, **k: None)  # a kill runs no cleanup
+    with pytest.raises(KeyboardInterrupt):
+        apply("p", repo / "params.yaml", repo / "profiles")
+    monkeypatch.undo()
+    left = [p.name for p in repo.iterdir() if p.name.startswith(".params.yaml")]
+    assert len(left) == 1 and (repo / "params.yaml").read_bytes() == before
+    assert [p.name for p in clean_temp(repo)] == left
+    assert not [p for p in repo.iterdir() if p.name.startswith(".params.yaml")]

@@ -5,6 +5,7 @@ does the same with real DVC and real cells (slow)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
@@ -26,7 +27,7 @@ from pipelines.runner.repo import runner_lock
 from pipelines.runner.signals import RunnerError
 from tests.conftest import REPO, repo_params
 from tests.pipelines.fakes import committed, env, runner_script
-from tests.pipelines.procs import alive, children, wait_for, worker_pids
+from tests.pipelines.procs import HANG_S, alive, children, wait_for, worker_pids
 from tests.pipelines.tiny import TINY
 
 
@@ -44,7 +45,7 @@ def start_runner(workdir: Path, **extra: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=HANG_S)
     return proc.returncode, out, err
 
 
@@ -98,7 +99,7 @@ def test_double_ctrl_c_during_a_commit_leaves_a_whole_lock_file(workdir):
 def test_ctrl_c_while_the_workers_start_ends_with_one_line(workdir):
     proc = start_runner(workdir)
     # a worker is being started: imports, not yet set up (after the sweep's MLflow parent run: a new store first)
-    wait_for(lambda: children(proc.pid, b"spawn_main"), timeout=180)
+    wait_for(lambda: children(proc.pid, b"spawn_main"), timeout=HANG_S)
     os.killpg(proc.pid, signal.SIGINT)
     rc, out, err = finish(proc)
     assert rc == 130 and err.count("\n") == 1 and err.startswith("stopped by SIGINT"), (out, err)
@@ -281,7 +282,7 @@ def run_placed(workdir: Path, gpus: list[str], flags: list[str], together: int) 
         env=environ,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, (out.stdout, out.stderr)
     records = [json.loads(p.read_text()) for p in (workdir / "fake").glob("cell-*.json")]
@@ -394,7 +395,7 @@ def run_upstream(workdir: Path, stale: list[str], **extra: str) -> subprocess.Co
         env=env(workdir, FAKE_STALE=",".join(stale), FAKE_FAST="1000", **extra),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
 
 
@@ -418,6 +419,7 @@ def test_upstream_chains_match_dvc_yaml():
             assert f"{task}_rm" not in stages and f"{task}_calibration_rm" not in stages
             continue
         # worker.upstream_stage runs pipelines.<kind>.main([task, instance]) for both stage groups
+        assert worker.upstream_mains()[kind] is importlib.import_module(f"pipelines.{kind}").main
         cmd = f"python -m pipelines.{kind} {task} ${{item.instance}}"
         assert stages[f"{task}_{kind}"]["cmd"] == stages[f"{task}_calibration_{kind}"]["cmd"] == cmd
         assert stages[f"{task}_calibration_{kind}"]["matrix"] == {"instance": f"${{{task}.calibration.instances}}"}
@@ -477,7 +479,7 @@ def run_fake(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
         env=env(workdir, FAKE_FAST="1000"),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
 
 
@@ -504,7 +506,7 @@ def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_
         env=env(workdir, FAKE_FAST="1000", FAKE_STALE=",".join(s for c in CHAINS for s in c)),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert "1 upstream chains to build: grammar_calibration_data@0\n" in out.stdout, out.stdout

@@ -93,7 +93,7 @@ class FakeRunner:
     def __init__(self, settled_at: dict[str, int], rc: int = 0):
         self.settled_at, self.rc, self.calls = settled_at, rc, []
 
-    def __call__(self, cmd: list[str]) -> int:
+    def __call__(self, cmd: list[str], **popen) -> int:
         assert cmd[:3] == [sys.executable, "-m", "pipelines.run"]
         p = load_params()
         self.calls.append((cmd[3:], {t: list(s.instances) for t, s in p.tasks().items()}))
@@ -148,3 +148,45 @@ def test_settle_stops_in_one_line_when_the_next_batch_is_refused(repo, monkeypat
     err = capsys.readouterr().err
     assert err == "error: grammar: the next evaluation seeds [105] are calibration instances\n", err
     assert (repo / "params.yaml").read_text() == text and len(fake.calls) == 1
+
+
+def test_settle_with_no_analysis_runs_once_and_adds_no_batch(repo, monkeypatch, capsys):
+    """Issue 30: `settle -- --no-analysis` added a batch without looking, then failed on a missing stats.json."""
+    text = (repo / "params.yaml").read_text()
+    calls = []
+    monkeypatch.setattr(settle.subprocess, "call", lambda cmd, **popen: calls.append(cmd) or 0)  # writes no report
+    assert settle.main(["--", "--no-analysis"]) == 0
+    assert len(calls) == 1 and calls[0][-1] == "--no-analysis"
+    assert (repo / "params.yaml").read_text() == text
+    assert "no batch added" in capsys.readouterr().out
+
+
+def test_killing_settle_even_by_sigkill_stops_its_runner(repo):
+    """Issue 30: SIGKILL to `make settle` left its runner running (parent pid 1), holding the runner lock."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.pipelines.procs import HANG_S, alive, children, wait_for
+
+    runner = "import time; time.sleep(600)  # pipelines.run"
+    script = (
+        "import sys; from pipelines import settle; "
+        f"settle.RUNNER = [sys.executable, '-c', {runner!r}]; sys.exit(settle.main([]))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = None
+    try:
+        wait_for(lambda: children(proc.pid, b"pipelines.run"), timeout=HANG_S)
+        (child,) = children(proc.pid, b"pipelines.run")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the runner outlived settle"
+    finally:
+        proc.kill()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
