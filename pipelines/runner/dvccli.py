@@ -15,7 +15,9 @@ from pipelines.runner import lockfile
 from pipelines.runner.signals import POLL_S, RunnerError, Signals, last_line
 
 STATE = Path(".dvc/tmp/runner")  # the runner's lock file and dvc.lock's last good copy (.dvc/tmp is git-ignored)
-DVC = [sys.executable, "-m", "pipelines.runner.lockfile", "dvc"]  # DVC's CLI, dvc.lock replaced whole
+# DVC's CLI, dvc.lock replaced whole; waiting its turn for DVC's repository lock (a `dvc repro` started beside the
+# runner holds it until its first stage is refused: tracking.refuse_beside_runner) instead of failing after 3 s
+DVC = [sys.executable, "-m", "pipelines.runner.lockfile", "dvc", "--wait-for-lock"]
 COMMIT = [sys.executable, "-m", "pipelines.runner.lockfile", "commit"]  # `dvc commit --force STAGE...`, one pass
 PROBE = "python -c 'import sys; print(sys.prefix); print(sys.executable)'"
 

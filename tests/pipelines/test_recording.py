@@ -151,3 +151,22 @@ def test_recording_removes_the_entries_of_stages_dvc_yaml_no_longer_defines(repo
     out = commit(repo, as_read(repo), "cell")
     assert "removed 1 entries of stages dvc.yaml no longer defines" in out.stdout, out
     assert set(recorded(repo)) == {"cell"}
+
+
+def test_the_runners_dvc_calls_wait_for_a_dvc_command_that_holds_the_lock(repo):
+    """The runner's `dvc status` between its waves and its `dvc repro` of the calibrate and analysis stages."""
+    import zc.lockfile
+
+    from pipelines.runner import dvccli
+    from pipelines.runner.signals import Signals
+
+    held = zc.lockfile.LockFile(str(repo / ".dvc/tmp/lock"))
+    release = threading.Timer(8.0, held.close)
+    release.start()
+    try:
+        start = time.monotonic()
+        status = dvccli.dvc(["status", "--json"], env(), Signals(), capture=True)
+    finally:
+        release.cancel()
+        held.close()
+    assert time.monotonic() - start >= 7.0 and "cell" in json.loads(status)
