@@ -147,8 +147,11 @@ def _distinct(name: str, values: list) -> list:
 
 
 def _finite(v):
-    """One message for inf and nan (not the int and the float alternative's messages of the union)."""
-    if isinstance(v, float) and not math.isfinite(v):
+    """One message for what is not a finite number (not one from each alternative of the union: 'coefs.0.int:
+    Input should be a valid integer')."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"must be a number (got {v!r})")
+    if not math.isfinite(v):
         raise ValueError(f"must be finite (got {v})")
     return v
 
