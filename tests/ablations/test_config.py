@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from ablations.config import Params, ParamsError, load_params
+from ablations.tasks import TASKS
 from rlhf.config import ESTIMATORS
 
 from ..conftest import REPO, repo_params
@@ -59,7 +60,7 @@ BAD = [
         lambda p: p["grammar"]["ppo"].update(learning_rate=1.0),
         "unknown key 'grammar.ppo.learning_rate'; allowed: algorithm, iterations",
     ),
-    ("unknown section", lambda p: p.update(ppo2={}), "unknown key 'ppo2'; allowed: grammar, arithmetic, grid"),
+    ("unknown section", lambda p: p.update(ppo2={}), f"unknown key 'ppo2'; allowed: {', '.join(TASKS)}, grid"),
     (
         "unknown arm key",
         lambda p: p["grid"]["arms"]["loss_k3"].update(estimatr="k3"),

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
+import typing
 
 import pytest
 import torch
@@ -25,15 +27,14 @@ from torch import nn
 from rlhf import kl as K
 from rlhf import ppo
 from rlhf.algorithms import ALGORITHMS, AdvantageParams
-from rlhf.config import AGGREGATIONS, ESTIMATORS, IS_DIFFERENTIABLE, PLACEMENTS, TARGETS, KLConfig, PPOConfig
 from rlhf.config import ALGORITHMS as ALGORITHM_NAMES
+from rlhf.config import ESTIMATORS, IS_DIFFERENTIABLE, KLConfig, PPOConfig
 
 D = torch.float64
 T, WORDS, V, G = 3, (2, 3, 4), 5, 2  # length, response tokens, vocabulary (BOS, EOS, words), group size
 N_PREFIX = sum(len(WORDS) ** i for i in range(T))  # 13 prefixes of length 0..T-1
 NEG = -1e4
 ALGOS = (*ALGORITHM_NAMES, "dr_grpo")
-AGGS = (None, *AGGREGATIONS)
 TOL = 1e-9
 WORST: dict[str, float] = {}  # row x regime -> worst |code - expected| / |expected| (printed by the last test)
 
@@ -226,19 +227,40 @@ def _grpo_std(kl_sum, w, lp, q) -> torch.Tensor:
 # --- which combinations exist ----------------------------------------------------------------------------------------
 
 
+def _domain(field: str) -> tuple | None:
+    """Every value of a KLConfig field with a finite domain (a bool or a Literal, optionally None), the no-KL
+    placement and the no-estimator None aside (the baseline has no contract); None for a numeric field."""
+    info = KLConfig.model_fields[field]
+    union = typing.get_origin(info.annotation) in (typing.Union, types.UnionType)
+    args = typing.get_args(info.annotation) if union else (info.annotation,)
+    values: list = []
+    for a in args:
+        if a is bool:
+            values += [False, True]
+        elif typing.get_origin(a) is typing.Literal:
+            values += [v for v in typing.get_args(a) if v != "none"]
+        elif a is type(None):
+            values.append(None)
+        else:
+            return None
+    return tuple(v for v in values if not (v is None and info.is_required()))
+
+
+# the fields enumerated: every KLConfig field with a finite domain (placement, estimator, is_weight, aggregation,
+# return_to_go, target; a new bool or Literal option joins by itself); the numeric ones (coef, the clamp, the moving
+# reference, the controller) are value modifiers, tested apart
+FIELDS = tuple(f for f in KLConfig.model_fields if _domain(f) is not None)
+
+
 def accepted_combinations() -> list[tuple[KLConfig, str]]:
-    """Every (KLConfig, algorithm) the schema accepts over placement x estimator x is_weight x aggregation x
-    return_to_go x target x algorithm (kl_clamp and the policy-loss options are value modifiers, tested apart)."""
+    """Every (KLConfig, algorithm) the schema accepts over the FIELDS' domains x algorithm."""
     out = []
-    for p, e, iw, agg, rtg, tgt, algo in itertools.product(
-        PLACEMENTS[1:], ESTIMATORS, (False, True), AGGS, (False, True), TARGETS, ALGOS
-    ):
+    for values in itertools.product(*(_domain(f) for f in FIELDS), ALGOS):
         try:
-            kc = KLConfig(target=tgt, placement=p, estimator=e, coef=1.0, is_weight=iw, aggregation=agg,
-                          return_to_go=rtg)  # fmt: skip
+            kc = KLConfig(**dict(zip(FIELDS, values[:-1])), coef=1.0)
         except ValidationError:
             continue
-        out.append((kc, algo))
+        out.append((kc, values[-1]))
     return out
 
 
@@ -268,9 +290,6 @@ def test_refused_combinations_name_the_keys():
 
 def _combos_of(i: int) -> list[tuple[KLConfig, str]]:
     return [(kc, a) for kc, a in COMBOS if K.contract_rows(kc, a)[0] is K.CONTRACT[i]]
-
-
-FIELDS = ("placement", "estimator", "is_weight", "aggregation", "return_to_go", "target")
 
 
 def _cover(combos: list[tuple[KLConfig, str]]) -> list[tuple[KLConfig, str]]:
