@@ -28,6 +28,7 @@ Outside a git repository (or without git) the status says so and nothing fails.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -227,6 +228,22 @@ def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
 
 
+def _git_problem(root: Path) -> str | None:
+    """Why the protocol lock cannot be read from git here; None when it can."""
+    try:
+        _git(root, "rev-parse", "--verify", "HEAD")
+    except subprocess.CalledProcessError:
+        return "not a git repository with commits"
+    except OSError as e:
+        return f"git is not available ({e})"
+    return None
+
+
+def _position(order: dict[str, int], c: Change) -> int:
+    """A commit's place on the first-parent line (-1: not on it)."""
+    return order.get(c.commit, -1)
+
+
 def _history(root: Path, *paths: str) -> list[Change]:
     """First-parent commits touching any of ``paths``, oldest first."""
     out = _git(root, "log", "--first-parent", "--format=%H%x1f%cI%x1f%s", "--", *paths)
@@ -347,12 +364,9 @@ def protocol_lock(
     it was before it (``LockStatus.before``)."""
     root = Path(root)
     keep = result_stages if callable(result_stages) else set(result_stages).__contains__
-    try:
-        _git(root, "rev-parse", "--verify", "HEAD")
-    except subprocess.CalledProcessError:
-        return LockStatus(False, "not a git repository with commits")
-    except OSError as e:
-        return LockStatus(False, f"git is not available ({e})")
+    problem = _git_problem(root)
+    if problem:
+        return LockStatus(False, problem)
     order = {h: i for i, h in enumerate(reversed(_git(root, "rev-list", "--first-parent", "HEAD").split()))}
     pairs: dict[tuple[str, str | None], str] = {}  # (file, key or None) -> the name a change is reported under
     for name in watched:
@@ -391,10 +405,7 @@ def protocol_lock(
                 alive.discard(k)
         if not alive:
             break
-
-    def pos(c: Change) -> int:
-        return order.get(c.commit, -1)
-
+    pos = functools.partial(_position, order)
     rec = sorted(since.values(), key=pos)
     lock = changes[-1] if changes else None
     first, last = (rec[0], rec[-1]) if rec else (None, None)

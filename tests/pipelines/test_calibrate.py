@@ -9,7 +9,6 @@ import pytest
 
 from ablations.config import load_params
 from ablations.grid import calibration_cells, evaluation_cells, protocol_path
-from ablations.tasks import TASKS
 from pipelines import calibrate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +31,8 @@ def test_calibrate_refuses_in_one_line_when_its_calibration_runs_are_missing(par
 
 def test_calibrate_names_the_tasks_it_knows(params_copy):
     message = refusal(["grammer"])
-    assert message.startswith(f"usage: python -m pipelines.calibrate <task>; allowed: {', '.join(TASKS)}"), message
+    running = ", ".join(load_params().tasks())  # the tasks with instances
+    assert message.startswith(f"usage: python -m pipelines.calibrate <task>; allowed: {running}"), message
     assert refusal([]).startswith("usage: ")
     assert not (params_copy / "protocol").exists()
 

@@ -30,6 +30,8 @@ from rlhf.algorithms import ALGORITHMS, AdvantageParams
 from rlhf.config import ALGORITHMS as ALGORITHM_NAMES
 from rlhf.config import ESTIMATORS, IS_DIFFERENTIABLE, KLConfig, PPOConfig
 
+from ..conftest import small_ppo_config
+
 D = torch.float64
 T, WORDS, V, G = 3, (2, 3, 4), 5, 2  # length, response tokens, vocabulary (BOS, EOS, words), group size
 N_PREFIX = sum(len(WORDS) ** i for i in range(T))  # 13 prefixes of length 0..T-1
@@ -437,29 +439,5 @@ def test_gspo_is_exact_with_its_aggregation_and_refused_without(tables):
     assert (code - gspo).norm() > 0.05 * gspo.norm()
     for options in (dict(), dict(pg_aggregation="token-mean"), dict(algorithm="grpo", group_size=2, dr_grpo=True)):
         with pytest.raises(ValidationError, match="ratio_level 'sequence'") as e:
-            PPOConfig(**{**_PPO, "ratio_level": "sequence", **options})
+            small_ppo_config(ratio_level="sequence", **options)
         assert e.value.error_count() == 1
-
-
-_PPO = dict(
-    algorithm="ppo",
-    iterations=1,
-    batch_size=4,
-    group_size=1,
-    minibatch_size=4,
-    epochs=1,
-    lr=1e-3,
-    adam_eps=1e-5,
-    temperature=1.0,
-    gamma=1.0,
-    lam=1.0,
-    cliprange=0.2,
-    cliprange_value=1.0,
-    vf_coef=0.0,
-    whiten_rewards=False,
-    missing_eos_score=None,
-    eval_every=1,
-    eval_seed=0,
-    seed=0,
-    kl=KLConfig(target="reference", placement="reward", estimator="k1", coef=0.1),
-)
