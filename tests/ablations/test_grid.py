@@ -107,7 +107,7 @@ def test_upstream_chains_run_calibration_instances_first_in_stage_order():
     )
     only = upstream_chains(params, evaluation=False)
     assert only and all("calibration_" in s for c in only for s in c)
-    assert len(chains) - len(only) == len(g.instances) + len(params.arithmetic.instances)
+    assert len(chains) - len(only) == sum(len(t.instances) for t in params.tasks().values())
 
 
 def calibrated_protocol() -> dict:

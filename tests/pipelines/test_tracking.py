@@ -9,6 +9,7 @@ import json
 import re
 from types import SimpleNamespace
 
+from ablations.tasks import TASKS
 from pipelines import tracking
 
 
@@ -36,7 +37,7 @@ def test_describe_sets_description_and_curves_view_once():
     exp = SimpleNamespace(experiment_id="7", tags={})
     client = TagRecorder(exp)
     tracking.describe(client, exp)
-    views = [tracking.VIEW_TAG_PREFIX + tracking.view_id(t) for t in ("grammar", "arithmetic")]
+    views = [tracking.VIEW_TAG_PREFIX + tracking.view_id(t) for t in TASKS]
     assert sorted(client.calls) == sorted([tracking.DESCRIPTION_TAG, *views])  # one view per registered task
     tracking.describe(client, exp)  # what every later stage does: nothing to write
     assert len(client.calls) == 3
