@@ -60,7 +60,7 @@ def run_cells(todo: list[plan.Job], backend, recorder: Recorder, sig: Signals, r
                 print(_progress(done, n, job, s, time.perf_counter() - start), flush=True)
                 for member in job.records:
                     recorder.add(member, s.get(RAN_WITH))
-                if job.then is not None and s.get(RAN_WITH) is not None:
+                if job.then is not None and (s.get(RAN_WITH) or {}).get("params") is not None:
                     after = plan.upstream_job(job.then)
                     pending[backend.submit(root, after.work, run_cell)] = after
             recorder.poll()
