@@ -43,7 +43,8 @@ def test_describe_sets_description_and_curves_view_once():
     assert len(client.calls) == 1 + len(TASKS)
     exp.tags[tracking.DESCRIPTION_TAG] = "edited by hand"
     tracking.describe(client, exp)  # a stale description is brought up to date
-    assert client.calls[3:] == [tracking.DESCRIPTION_TAG] and exp.tags[tracking.DESCRIPTION_TAG] != "edited by hand"
+    assert client.calls[1 + len(TASKS) :] == [tracking.DESCRIPTION_TAG]
+    assert exp.tags[tracking.DESCRIPTION_TAG] != "edited by hand"
 
 
 def test_curves_view_opens_on_gold_and_kl_grouped_by_arm_of_one_task():
