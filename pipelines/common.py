@@ -31,6 +31,11 @@ def model_path(task: str, instance: int, name: str) -> Path:
     return Path("models") / task / str(instance) / f"{name}.pt"
 
 
+def eval0_path(task: str, instance: int) -> Path:
+    """models/<task>/<instance>/eval0.json: the instance's iteration-0 evaluation (pipelines/eval0.py)."""
+    return Path("models") / task / str(instance) / "eval0.json"
+
+
 def metrics_path(task: str, instance: int, name: str) -> Path:
     return Path("metrics") / task / str(instance) / f"{name}.json"
 

@@ -29,6 +29,7 @@ from pipelines import tracking
 from pipelines.common import (
     atomic_dir,
     data_path,
+    eval0_path,
     eval_sets,
     load_checkpoint,
     load_lm,
@@ -101,10 +102,27 @@ class Loaded(NamedTuple):
     task: object
     ref: object
     reward_model: object
+    initial_eval: dict | None  # the instance's iteration-0 evaluation (``initial_eval``)
+
+
+def initial_eval(cell: Cell) -> dict | None:
+    """The iteration-0 evaluation of the cell's instance (pipelines/eval0.py, a dependency of its stage), or None
+    when the cell's config differs from what it was made with (one line says so; the cell measures it itself)."""
+    path = eval0_path(cell.task, cell.instance)
+    if not path.is_file():
+        stage = f"{cell.task}{'_calibration' * cell.calibration}_eval0@{cell.instance}"
+        raise FileNotFoundError(f"{path} not found: run its stage first (dvc repro {stage})")
+    made = json.loads(path.read_text())
+    ours = {k: getattr(cell.config, k) for k in made["made_with"]}
+    if ours != made["made_with"]:
+        print(f"{cell.stage}: {path} was made with {made['made_with']}, this cell has {ours}: it measures iteration 0")
+        return None
+    return made["eval"]
 
 
 def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
-    """The resolved cell, its config, data, task, SFT reference and (learned-reward task) reward model."""
+    """The resolved cell, its config, data, task, SFT reference, (learned-reward task) reward model and the
+    instance's iteration-0 evaluation."""
     cell = resolved(params, cell)
     data = load_checkpoint(data_path(cell.task, cell.instance))
     task = load_task(data)
@@ -114,7 +132,7 @@ def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
         reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
     set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
     cfg = cell.config  # built once, in the grid
-    return Loaded(cell, cfg, data, task, ref, reward_model)
+    return Loaded(cell, cfg, data, task, ref, reward_model, initial_eval(cell))
 
 
 def diagnostic_metrics(rows: list[dict]) -> dict[str, list[dict]]:
@@ -169,6 +187,7 @@ def run_cell(params: Experiment, cell: Cell) -> dict:
                 eval_sets(c.data, device),
                 cfg,
                 progress=lambda row: bar.update(),
+                initial_eval=c.initial_eval,
             )
         wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
         summary = write_outputs(cell, axes, out, wall_s, client, rid)

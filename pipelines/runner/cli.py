@@ -58,7 +58,7 @@ def run_cells(todo: list, backend, recorder: Recorder, sig: Signals, run_cell, e
                     print(f"[{done}/{n}] FAILED {cell.stage}: {tracking.fault_line(e) or last_line(e)}", flush=True)
                     continue
                 print(_progress(done, n, cell, s, time.perf_counter() - start), flush=True)
-                for member in getattr(cell, "cells", (cell,)):  # a population (pipelines/population.py): each cell
+                for member in getattr(cell, "cells", (cell,)):  # a population (runner/population.py): each cell
                     recorder.add(member, s.get(RAN_WITH))
                 if getattr(cell, "next", None) and s.get(RAN_WITH) is not None:
                     pending[backend.submit(root, cell.next, run_cell)] = cell.next
@@ -125,7 +125,7 @@ class Sweep:
             return
         run_cell = self.run_cell
         if self.args.population:  # groups of cells, each group one batched computation in a worker
-            from pipelines import population
+            from pipelines.runner import population
 
             todo, run_cell = population.plan(self.params, todo, self.args.population), population.executor(run_cell)
         recorder = Recorder(self.env, self.args.commit_every)
