@@ -48,6 +48,18 @@ HEADER = """\
 stages:
 """
 
+# the modules of pipelines.common's import closure, which every stage of an instance's chain (data, sft, rm, eval0)
+# imports, besides its own script
+CHAIN_DEPS = """\
+      - rlhf
+      - ablations/__init__.py
+      - ablations/experiment.py
+      - ablations/section.py
+      - ablations/tasks.py
+      - pipelines/__init__.py
+      - pipelines/cpu.py
+      - pipelines/common.py
+"""
 # a cell's dependencies: its import closure (tests/test_dvc_deps.py), its instance's data and models; the first cell
 # stage (calibration_baseline) anchors them, the others refer to the anchor
 CELL_DEPS = """\
@@ -98,14 +110,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.data <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/data.py
     params: [<task>.task]
     outs:
@@ -123,14 +130,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.sft <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/tracking.py
       - pipelines/sft.py
       - data/<task>/${item.instance}/task.pt
@@ -152,14 +154,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.rm <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/tracking.py
       - pipelines/rm.py
       - data/<task>/${item.instance}/task.pt
@@ -182,14 +179,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.eval0 <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/eval0.py
       - data/<task>/${item.instance}/task.pt
       - models/<task>/${item.instance}/sft.pt

@@ -16,20 +16,7 @@ from __future__ import annotations
 import json
 
 from ablations.tasks import TASKS
-from pipelines.common import (
-    data_path,
-    eval0_path,
-    eval_sets,
-    load_checkpoint,
-    load_lm,
-    load_reward_model,
-    load_task,
-    model_path,
-    set_precision,
-    setup,
-    upstream_stage_args,
-    write_atomic,
-)
+from pipelines.common import eval0_path, eval_sets, load_instance, setup, upstream_stage_args, write_atomic
 from rlhf.evaluate import evaluate
 
 READS = ("temperature", "eval_seed")  # the PPOConfig values rlhf.evaluate.evaluate reads (with the instance's data)
@@ -38,16 +25,11 @@ READS = ("temperature", "eval_seed")  # the PPOConfig values rlhf.evaluate.evalu
 def main(argv: list[str] | None = None) -> None:
     _, task, section, instance = upstream_stage_args(argv, "eval0")
     device = setup()
-    data = load_checkpoint(data_path(task, instance))
-    sft = load_lm(model_path(task, instance, "sft"), device)
-    reward_model = None  # a verifier task has no proxy to report
-    if TASKS[task].learned_reward:
-        reward_model = load_reward_model(model_path(task, instance, "rm"), device)
-    set_precision(section.model, *[m for m in (sft, reward_model) if m is not None])
+    data, t, sft, reward_model = load_instance(task, instance, section.model, TASKS[task].learned_reward, device)
     made_with = {k: getattr(section.ppo, k) for k in READS}
     # the policy of iteration 0 is the SFT model itself, the reference too (a cell's policy is a copy of it)
-    sets, t, seed = eval_sets(data, device), made_with["temperature"], made_with["eval_seed"]
-    measured = evaluate(sft, sft, reward_model, load_task(data), sets, t, seed)
+    sets, temperature, seed = eval_sets(data, device), made_with["temperature"], made_with["eval_seed"]
+    measured = evaluate(sft, sft, reward_model, t, sets, temperature, seed)
     path = eval0_path(task, instance)
     write_atomic(path, json.dumps({"made_with": made_with, "eval": {"iteration": 0, **measured}}, indent=2) + "\n")
     print(f"wrote {path}: " + ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if k in ("gold", "proxy", "kl")))

@@ -26,20 +26,7 @@ from ablations.experiment import Experiment, ParamsError, load_experiment, spec_
 from ablations.grid import Cell, find_cell, protocol_path, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
-from pipelines.common import (
-    atomic_dir,
-    data_path,
-    eval0_path,
-    eval_sets,
-    load_checkpoint,
-    load_lm,
-    load_reward_model,
-    load_task,
-    model_path,
-    set_precision,
-    setup,
-    write_json,
-)
+from pipelines.common import atomic_dir, eval0_path, eval_sets, load_instance, setup, write_json
 from pipelines.plots import save_run_figure
 from rlhf.config import PPOConfig
 from rlhf.ppo import train_ppo
@@ -124,13 +111,8 @@ def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
     """The resolved cell, its config, data, task, SFT reference, (learned-reward task) reward model and the
     instance's iteration-0 evaluation."""
     cell = resolved(params, cell)
-    data = load_checkpoint(data_path(cell.task, cell.instance))
-    task = load_task(data)
-    ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
-    reward_model = None  # a verifier task scores with task.gold
-    if TASKS[cell.task].learned_reward:
-        reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
-    set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
+    model, learned = getattr(params, cell.task).model, TASKS[cell.task].learned_reward
+    data, task, ref, reward_model = load_instance(cell.task, cell.instance, model, learned, device)
     cfg = cell.config  # built once, in the grid
     return Loaded(cell, cfg, data, task, ref, reward_model, initial_eval(cell))
 

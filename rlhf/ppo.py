@@ -314,17 +314,7 @@ def train(cells: Cells, initial_evals: list[dict | None], progress: Callable[[in
         for ctl, value in zip(cells.controllers, kl_exact):
             ctl.update(value, cfg.batch_size)
         cells.sync_reference(it)
-        per_cell = cells.per_cell
-        kl_used = (
-            [0.0] * len(stats) if batch.kl_reward is None else per_cell(lambda x: x.sum(1).mean(), batch.kl_reward)
-        )
-        scores, lengths = per_cell(torch.mean, traj.scores), per_cell(lambda m: m.sum(1).mean(), traj.mask)
-        rows = [
-            Stats(
-                it, c, u, **({"vf_loss": None, "entropy": None} | s), kl_exact=k, score=r, gold_train=g, length=n
-            ).row()
-            for c, u, s, k, r, g, n in zip(coefs, kl_used, stats, kl_exact, scores, cells.gold(traj), lengths)
-        ]
+        rows = [r.row() for r in records(cells, it, coefs, stats, traj, batch, kl_exact)]
         for h, row in zip(histories, rows):
             h.append(row)
         if it % cfg.eval_every == 0 or it == cfg.iterations:
@@ -433,6 +423,23 @@ def train_ppo(
     report = None if progress is None else lambda it, rows: progress(rows[0])
     histories, evals, diagnostics = train(cell, [initial_eval], report)
     return {"history": histories[0], "evals": evals[0], "summary": final_summary(evals[0]), "diagnostics": diagnostics}
+
+
+def records(cells: Cells, it: int, coefs, step7: list[dict], traj, batch: Batch, kl_exact) -> list[Stats]:
+    """Each cell's ``Stats`` of iteration ``it``: its coefficient, its step-7 stats ``step7`` (vf_loss and entropy
+    None when its run has none), the exact KL of its rollout ``kl_exact`` and the other means over its rollout."""
+    per_cell, n = cells.per_cell, len(coefs)
+    kl_used = [0.0] * n if batch.kl_reward is None else per_cell(lambda x: x.sum(1).mean(), batch.kl_reward)
+    scores, lengths, gold = (
+        per_cell(torch.mean, traj.scores),
+        per_cell(lambda m: m.sum(1).mean(), traj.mask),
+        cells.gold(traj),
+    )
+    return [
+        Stats(it, coefs[i], kl_used[i], **(dict.fromkeys(("vf_loss", "entropy")) | step7[i]),
+              kl_exact=kl_exact[i], score=scores[i], gold_train=gold[i], length=lengths[i])
+        for i in range(n)
+    ]  # fmt: skip
 
 
 def final_summary(evals: list[dict]) -> dict:
