@@ -6,7 +6,8 @@ Each measurement is a fresh process with one torch thread and the CPU pin (pipel
 stage function ``pipelines.ppo.run_cell`` (load, train, MLflow logging, outputs: what `python -m pipelines.ppo
 <stage>` does after its imports, and what a runner worker does per cell) with the tree under test on PYTHONPATH,
 in a scratch workspace of its own holding this tree's params.yaml and protocol/ and the instance's data and models.
-Imports and the MLflow store's first opening happen before the clock starts (a runner worker pays them once).
+Imports, ``setup()`` and the MLflow store's first opening happen before the clock starts (a runner worker pays them
+once).
 Reported per cell and tree: the median and range over ``--rounds`` of the process CPU time of run_cell and of
 train_ppo inside it; the trees run in rotating order in every round (interleaved: the shared machine's load falls
 on both alike). The instance's data, SFT and reward model are built once (this tree's stage commands, or copied
@@ -52,10 +53,14 @@ def child(what: list[str]) -> dict:
     from ablations.experiment import load_experiment
     from ablations.grid import find_cell
     from pipelines import ppo, tracking
+    from pipelines.common import setup
 
     tracking.ROOT = Path.cwd()  # MLflow artifacts in the workspace, never in a checkout
     params = load_experiment()
-    tracking.experiment_client(params.mlflow.experiment)  # the store created and opened before the clock starts
+    # before the clock, as a runner worker has done before its next stage: the MLflow store opened, and setup()
+    # (torch.use_deterministic_algorithms imports torch._dynamo: about 1.5 CPU-s once per process)
+    tracking.experiment_client(params.mlflow.experiment)
+    setup()
     if what[0] != "cell":  # one or more upstream kinds, in order
         kinds, (task, instance) = what[:-2], what[-2:]
         start = time.process_time()
