@@ -7,8 +7,7 @@ stage function ``pipelines.ppo.run_cell`` (load, train, MLflow logging, outputs:
 <stage>` does after its imports, and what a runner worker does per cell) with the tree under test on PYTHONPATH,
 in a scratch workspace of its own holding this tree's params.yaml and protocol/ and the instance's data and models.
 Imports, ``setup()`` and the MLflow store's first opening happen before the clock starts (a runner worker pays them
-once).
-Reported per cell and tree: the median and range over ``--rounds`` of the process CPU time of run_cell and of
+once). Reported per cell and tree: the median and range over ``--rounds`` of the process CPU time of run_cell and of
 train_ppo inside it; the trees run in rotating order in every round (interleaved: the shared machine's load falls
 on both alike). The instance's data, SFT and reward model are built once (this tree's stage commands, or copied
 from ``--inputs``: a workspace that has them) and shared; a stage a tree's upstream chain adds beyond those
