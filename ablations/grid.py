@@ -210,10 +210,9 @@ def find_cell(params: Experiment, stage: str) -> Cell:
 
 
 def upstream_stages(params: Experiment) -> list[str]:
-    """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT and (for a learned-reward
-    task) reward models of the calibration and the evaluation instances."""
-    last = lambda task: "rm" if TASKS[task].learned_reward else "sft"
-    return [f"{t}_{p}{last(t)}" for t in params.tasks() for p in ("calibration_", "")]
+    """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT, (for a learned-reward
+    task) reward models and the iteration-0 evaluations of the calibration and the evaluation instances."""
+    return [f"{t}_{p}eval0" for t in params.tasks() for p in ("calibration_", "")]
 
 
 def calibrate_stages(params: Experiment) -> list[str]:
@@ -222,12 +221,12 @@ def calibrate_stages(params: Experiment) -> list[str]:
 
 
 def upstream_chains(params: Experiment, evaluation: bool = True) -> list[list[str]]:
-    """The upstream stages of each task instance in the order they run (data, sft, and rm for a learned-reward
-    task), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
+    """The upstream stages of each task instance in the order they run (data, sft, rm for a learned-reward task,
+    eval0), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
     instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
-        kinds = ["data", "sft", "rm"] if TASKS[task].learned_reward else ["data", "sft"]
+        kinds = ["data", "sft", "rm", "eval0"] if TASKS[task].learned_reward else ["data", "sft", "eval0"]
         sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
         for prefix, instances in sets:
             chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]

@@ -3,15 +3,19 @@
     python benchmarks/compare_lock.py OLD NEW [--stages GLOB ...] [--ignore PATH_GLOB ...]
     python benchmarks/compare_lock.py git:main dvc.lock          # OLD from a git revision's dvc.lock
 
-A proof on a sample of stages, from an empty workspace (no DVC cache needed; ~10 CPU-min): the chains of one
-calibration and one evaluation instance per task, then cells of each kind on them, then the comparison:
+A proof on a sample of stages, from an empty workspace (no DVC cache needed; ~12 CPU-min): the chains of one
+calibration and one evaluation instance per task (data, sft, rm, eval0), then cells of each kind on them (the no-KL
+baselines, fixed coefficients, both placements under the adaptive controller: the ``target`` design cells), then
+the comparison:
 
     export PATH=$PWD/.venv/bin:$PATH
-    dvc repro grammar_calibration_rm@0 arithmetic_calibration_sft@0 grammar_rm@100 arithmetic_sft@100
+    dvc repro grammar_calibration_eval0@0 arithmetic_calibration_eval0@0 grammar_eval0@100 arithmetic_eval0@100
     dvc repro -s grammar_calibration_baseline@0-0 'grammar_calibration@0-reward_k1-0.03-0' \
-        grammar_baseline@100-0 'grammar_design@100-reward_k3-target-0' 'grammar_design@100-loss_k3-coef-0' \
+        grammar_baseline@100-0 'grammar_design@100-reward_k1-coef-0' 'grammar_design@100-loss_k3-coef-0' \
+        'grammar_design@100-reward_k3-target-0' 'grammar_design@100-loss_k3-target-0' \
         arithmetic_calibration_baseline@0-0 'arithmetic_calibration@0-loss_k3-0.3-0' \
-        arithmetic_baseline@100-0 'arithmetic_design@100-reward_k3-target-0' 'arithmetic_design@100-loss_k3-coef-0'
+        arithmetic_baseline@100-0 'arithmetic_design@100-reward_k1-coef-0' 'arithmetic_design@100-loss_k3-coef-0' \
+        'arithmetic_design@100-reward_k3-target-0' 'arithmetic_design@100-loss_k3-target-0'
     python benchmarks/compare_lock.py git:main dvc.lock
 
 For every stage present in both files: identical (every out's md5 equal), or the outs that differ. Stages in only

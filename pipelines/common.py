@@ -31,6 +31,11 @@ def model_path(task: str, instance: int, name: str) -> Path:
     return Path("models") / task / str(instance) / f"{name}.pt"
 
 
+def eval0_path(task: str, instance: int) -> Path:
+    """models/<task>/<instance>/eval0.json: the instance's iteration-0 evaluation (pipelines/eval0.py)."""
+    return Path("models") / task / str(instance) / "eval0.json"
+
+
 def metrics_path(task: str, instance: int, name: str) -> Path:
     return Path("metrics") / task / str(instance) / f"{name}.json"
 
@@ -196,3 +201,13 @@ def load_reward_model(path: Path, device: torch.device) -> ScalarModel:
     model = ScalarModel(new_lm(ckpt["arch"]))
     model.load_state_dict(ckpt["state_dict"])
     return model.to(device).eval()
+
+
+def load_instance(task: str, instance: int, model: ModelParams, learned_reward: bool, device: torch.device):
+    """What every cell of a task instance starts from, on ``device`` at the precision ``model`` asks for
+    (``set_precision``): (data, task, SFT model, reward model: None for a task scored by its verifier)."""
+    data = load_checkpoint(data_path(task, instance))
+    sft = load_lm(model_path(task, instance, "sft"), device)
+    reward_model = load_reward_model(model_path(task, instance, "rm"), device) if learned_reward else None
+    set_precision(model, *[m for m in (sft, reward_model) if m is not None])
+    return data, load_task(data), sft, reward_model

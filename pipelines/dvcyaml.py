@@ -32,11 +32,12 @@ HEADER = """\
 # so one definition over tasks would rename every stage (`design@grammar-100-...`, not `grammar_design@100-...`,
 # the names dvc.lock and the results key on). pipelines/dvcyaml.py's docstring has the details.
 #
-# One pipeline per task, each: data -> sft (-> rm) on the calibration and the evaluation instances; calibration
-# cells -> <task>_calibrate (fixes the protocol: protocol/<task>.json) -> evaluation cells (baseline, design, and the
-# exploratory fixed/matched cells) -> analysis. A task with a learned reward model (grammar, RLHF) has rm stages; a
-# task scored by its verifier (arithmetic, RLVR) has none. A task with both instance lists empty has no cells (`make
-# repro` skips its calibrate and analysis stages; plain `dvc repro` would fail on them). Adding an instance,
+# One pipeline per task, each: data -> sft (-> rm) -> eval0 (iteration 0's evaluation, shared by the instance's
+# cells) on the calibration and the evaluation instances; calibration cells -> <task>_calibrate (fixes the protocol:
+# protocol/<task>.json) -> evaluation cells (baseline, design, and the exploratory fixed/matched cells) -> analysis.
+# A task with a learned reward model (grammar, RLHF) has rm stages; a task scored by its verifier (arithmetic, RLVR)
+# has none. A task with both instance lists empty has no cells (`make repro` skips its calibrate and analysis
+# stages; plain `dvc repro` would fail on them). Adding an instance,
 # seed, arm, coefficient or KL target creates only the new stages. The calibration stages reuse the evaluation
 # stages' definitions (YAML merge keys) over the calibration instances.
 # Stage names are DVC's matrix names (ablations/grid.py makes the same ones). Each stage lists every module it
@@ -48,6 +49,18 @@ HEADER = """\
 stages:
 """
 
+# the modules of pipelines.common's import closure, which every stage of an instance's chain (data, sft, rm, eval0)
+# imports, besides its own script
+CHAIN_DEPS = """\
+      - rlhf
+      - ablations/__init__.py
+      - ablations/experiment.py
+      - ablations/section.py
+      - ablations/tasks.py
+      - pipelines/__init__.py
+      - pipelines/cpu.py
+      - pipelines/common.py
+"""
 # a cell's dependencies: its import closure (tests/test_dvc_deps.py), its instance's data and models; the first cell
 # stage (calibration_baseline) anchors them, the others refer to the anchor
 CELL_DEPS = """\
@@ -66,7 +79,8 @@ CELL_DEPS = """\
       - pipelines/ppo.py
       - data/<task>/${item.instance}/task.pt
       - models/<task>/${item.instance}/sft.pt
-<rm_dep>"""
+<rm_dep>      - models/<task>/${item.instance}/eval0.json
+"""
 CELL_OUTPUTS = """\
     outs:
       - runs/<task>/<kind>/${key}/history.csv
@@ -96,14 +110,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.data <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/data.py
     params: [<task>.task]
     outs:
@@ -121,14 +130,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.sft <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/tracking.py
       - pipelines/sft.py
       - data/<task>/${item.instance}/task.pt
@@ -150,14 +154,9 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       instance: ${<task>.instances}
     cmd: python -m pipelines.rm <task> ${item.instance}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/tracking.py
       - pipelines/rm.py
       - data/<task>/${item.instance}/task.pt
@@ -171,6 +170,28 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     "calibration_rm": """\
   <task>_calibration_rm:
     <<: *<task>_rm
+    matrix:
+      instance: ${<task>.calibration.instances}
+""",
+    "eval0": """\
+  <task>_eval0: &<task>_eval0     # the iteration-0 evaluation every cell of the instance reads (pipelines/eval0.py)
+    matrix:
+      instance: ${<task>.instances}
+    cmd: python -m pipelines.eval0 <task> ${item.instance}
+    deps:
+"""
+    + CHAIN_DEPS
+    + """\
+      - pipelines/eval0.py
+      - data/<task>/${item.instance}/task.pt
+      - models/<task>/${item.instance}/sft.pt
+<rm_dep>    params: [<task>.ppo.temperature, <task>.ppo.eval_seed, <task>.model]
+    outs:
+      - models/<task>/${item.instance}/eval0.json
+""",
+    "calibration_eval0": """\
+  <task>_calibration_eval0:
+    <<: *<task>_eval0
     matrix:
       instance: ${<task>.calibration.instances}
 """,

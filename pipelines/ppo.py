@@ -25,19 +25,7 @@ from ablations.experiment import SUMMARY_ALWAYS, Experiment, ParamsError, load_e
 from ablations.grid import Cell, ProtocolFileError, find_cell, protocol_path, read_protocol, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
-from pipelines.common import (
-    atomic_dir,
-    data_path,
-    eval_sets,
-    load_checkpoint,
-    load_lm,
-    load_reward_model,
-    load_task,
-    model_path,
-    set_precision,
-    setup,
-    write_json,
-)
+from pipelines.common import atomic_dir, eval0_path, eval_sets, load_instance, setup, write_json
 from pipelines.plots import save_run_figure
 from rlhf.config import PPOConfig
 from rlhf.ppo import train_ppo
@@ -99,20 +87,32 @@ class Loaded(NamedTuple):
     task: object
     ref: object
     reward_model: object
+    initial_eval: dict | None  # the instance's iteration-0 evaluation (``initial_eval``)
+
+
+def initial_eval(cell: Cell) -> dict | None:
+    """The iteration-0 evaluation of the cell's instance (pipelines/eval0.py, a dependency of its stage), or None
+    when the cell's config differs from what it was made with (one line says so; the cell measures it itself)."""
+    path = eval0_path(cell.task, cell.instance)
+    if not path.is_file():
+        stage = f"{cell.task}{'_calibration' * cell.calibration}_eval0@{cell.instance}"
+        raise FileNotFoundError(f"{path} not found: run its stage first (dvc repro {stage})")
+    made = json.loads(path.read_text())
+    ours = {k: getattr(cell.config, k) for k in made["made_with"]}
+    if ours != made["made_with"]:
+        print(f"{cell.stage}: {path} was made with {made['made_with']}, this cell has {ours}: it measures iteration 0")
+        return None
+    return made["eval"]
 
 
 def load_cell(params: Experiment, cell: Cell, device) -> Loaded:
-    """The resolved cell, its config, data, task, SFT reference and (learned-reward task) reward model."""
+    """The resolved cell, its config, data, task, SFT reference, (learned-reward task) reward model and the
+    instance's iteration-0 evaluation."""
     cell = resolved(params, cell)
-    data = load_checkpoint(data_path(cell.task, cell.instance))
-    task = load_task(data)
-    ref = load_lm(model_path(cell.task, cell.instance, "sft"), device)
-    reward_model = None  # a verifier task scores with task.gold
-    if TASKS[cell.task].learned_reward:
-        reward_model = load_reward_model(model_path(cell.task, cell.instance, "rm"), device)
-    set_precision(getattr(params, cell.task).model, *[m for m in (ref, reward_model) if m is not None])
+    model, learned = getattr(params, cell.task).model, TASKS[cell.task].learned_reward
+    data, task, ref, reward_model = load_instance(cell.task, cell.instance, model, learned, device)
     cfg = cell.config  # built once, in the grid
-    return Loaded(cell, cfg, data, task, ref, reward_model)
+    return Loaded(cell, cfg, data, task, ref, reward_model, initial_eval(cell))
 
 
 def diagnostic_metrics(rows: list[dict]) -> dict[str, list[dict]]:
@@ -167,6 +167,7 @@ def run_cell(params: Experiment, cell: Cell) -> dict:
                 eval_sets(c.data, device),
                 cfg,
                 progress=lambda row: bar.update(),
+                initial_eval=c.initial_eval,
             )
         wall_s = time.perf_counter() - start  # MLflow and the caller only: summary.json must be reproducible
         summary = write_outputs(cell, axes, out, wall_s, client, rid)

@@ -31,7 +31,7 @@ from rlhf.reward_model import score
 from rlhf.task import EOS, N_SPECIAL, Task, response_mask
 
 
-@torch.no_grad()
+@torch.inference_mode()  # a measurement: no autograd bookkeeping (the reward model's parameters require grad)
 def response_stats(
     reward_model: ScalarModel | None, task: Task, prompts: torch.Tensor, responses: torch.Tensor
 ) -> dict[str, float]:
@@ -48,7 +48,7 @@ def response_stats(
     return out | {k: v.mean().item() for k, v in task.metrics(prompts, responses).items()}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure(policy, ref_policy, reward_model, task: Task, prompts: torch.Tensor, temperature: float, seed: int):
     """The module docstring's measurement on one set of prompts (n, p), sampled with generator seed ``seed``."""
     g = torch.Generator(device=prompts.device).manual_seed(seed)

@@ -2,7 +2,8 @@
 
 Each cell has its own parameters, Adam state, generator, task instance, KL coefficient (and controller) and seed;
 the cells of one population share their structure (algorithm, placement, estimator, every other PPOConfig field,
-the model and task shapes). Their parameters are stacked along a leading cell dimension B (``Population.state``:
+the model and task shapes). ``rlhf.ppo.train``, the loop of ``train_ppo``, drives a ``Population`` through its
+steps (``rlhf.ppo.Cells``). The cells' parameters are stacked along a leading cell dimension B (``Population.state``:
 weights (B, ...)), and every per-cell step of ``rlhf.ppo`` runs unchanged, once, for all cells, under
 ``torch.func.vmap`` over that dimension with ``torch.func.functional_call`` swapping a cell's slice into a template
 module (the "model ensembling" pattern of the torch.func docs, https://pytorch.org/docs/stable/func.html,
@@ -62,14 +63,18 @@ from rlhf.config import PPOConfig
 from rlhf.evaluate import response_stats
 from rlhf.model import ScalarModel, TinyLM, adam, full_precision, response_logits
 from rlhf.ppo import (
+    Batch,
+    Trajectory,
+    accumulate,
     check_finite,
     draw_prompts,
     final_summary,
     minibatch_loss,
-    rewards_and_advantages,
+    rollout_batch,
     scorer,
-    step_kl_reward,
+    train,
     trajectory,
+    update_stats,
 )
 from rlhf.reward_model import init_reward_model, score
 from rlhf.task import EOS, Task, response_mask
@@ -91,6 +96,7 @@ class CellInputs(NamedTuple):
     eval_sets: dict[str, torch.Tensor]  # name -> (m, p)
     cfg: PPOConfig
     policy: TinyLM | None = None  # the initial policy; None: a copy of ``ref`` (as every pipeline cell)
+    initial_eval: dict | None = None  # its iteration-0 measurement if already made (``train_ppo``'s)
 
 
 class Models(nn.Module):
@@ -238,6 +244,8 @@ class Population:
         device = cells[0].train_prompts.device
         self.gens = [torch.Generator(device=device).manual_seed(c.cfg.seed) for c in cells]
         self.controllers = [K.controller(c.cfg.kl) for c in cells]
+        self.kl = K.resolve(self.cfg.kl, self.cfg.pg_mode)  # the cells' shared structure, once per run
+        self.critic = critic
 
     def call(self, fn: Callable) -> Callable:
         """fn(models, *args) vmapped over the cell dim of the state and of every tensor in args."""
@@ -262,6 +270,37 @@ class Population:
 
     def __len__(self) -> int:
         return len(self.cells)
+
+    # ``rlhf.ppo.Cells``: the steps ``rlhf.ppo.train`` drives, for every cell at once
+    def rollout(self, it: int) -> Trajectory:
+        return rollout_cells(self)
+
+    @torch.no_grad()
+    def advantages(self, traj: Trajectory, coefs: list[float]) -> Batch:
+        steps_4_6 = lambda tr, coef: rollout_batch(tr, coef, self.cfg, self.kl)
+        return cellwise(steps_4_6)(traj, self.coef_tensor(coefs))
+
+    def diagnose(self, traj, batch, coefs, it):
+        raise ValueError(refused(self.cfg))  # refused when the population is made (``check_cells``)
+
+    def update(self, traj: Trajectory, batch: Batch, coefs: list[float], it: int) -> tuple[list[dict], Batch]:
+        return update_cells(self, traj, batch, self.coef_tensor(coefs), it), batch
+
+    def sync_reference(self, it: int) -> None:
+        """No moving reference in a population (``refused``)."""
+
+    def per_cell(self, fn: Callable, x: torch.Tensor) -> list[float]:
+        """fn reduced over each cell's own dims (vmap over the leading dim) -> B Python floats."""
+        return vmap(fn)(x).tolist()
+
+    def gold(self, traj: Trajectory) -> list[float]:
+        return [c.task.gold(x, y).mean().item() for c, x, y in zip(self.cells, traj.prompts, traj.responses)]
+
+    def evaluate(self, it: int) -> list[dict]:
+        return evaluate_cells(self, it)
+
+    def coef_tensor(self, coefs: list[float]) -> torch.Tensor:
+        return torch.tensor(coefs, device=self.cells[0].train_prompts.device)  # (B,)
 
 
 def policy_hidden(m: Models, x: torch.Tensor, cache=None, start: int = 0):
@@ -296,11 +335,6 @@ def generate_cells(pop: Population, prompts, max_new_tokens: int, temperature: f
             h, cache = pop.call(step)(nxt, cache)
             logits = head(h)
     return out
-
-
-def per_cell(fn: Callable, *xs) -> list[float]:
-    """fn reduced over each cell's own dims (vmap over the leading dim) -> B Python floats."""
-    return vmap(fn)(*xs).tolist()
 
 
 @torch.no_grad()
@@ -340,8 +374,8 @@ def step_3(pop: Population, prompts, responses) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollout_cells(pop: Population, it: int):
-    """Steps 1-6 of ``train_ppo`` for every cell -> (Trajectory, Batch), each tensor with a leading B."""
+def rollout_cells(pop: Population) -> Trajectory:
+    """Steps 1-3 of ``rlhf.ppo.train`` for every cell: a scored Trajectory, each tensor with a leading B."""
     cfg, cells = pop.cfg, pop.cells
     prompts = torch.stack(
         [draw_prompts(c.train_prompts, cfg.batch_size, cfg.group_size, g) for c, g in zip(cells, pop.gens)]
@@ -350,65 +384,44 @@ def rollout_cells(pop: Population, it: int):
     traj = pop.call(lambda m, x, y: trajectory(m.policy, m.ref, m.ref, m.value, x, y, cfg.temperature))(
         prompts, responses
     )
-    scores = step_3(pop, prompts, responses)  # (B, b)
-    check_finite("scores", scores, it)
-    traj = traj._replace(scores=scores)
-    coefs = torch.tensor([ctl.value for ctl in pop.controllers], device=prompts.device)  # (B,)
-    kl = K.resolve(cfg.kl, cfg.pg_mode)  # the population's shared structure: both sides, as train_ppo resolves it
-
-    def steps_4_6(tr, coef):
-        return rewards_and_advantages(tr, step_kl_reward(tr, tr.logprobs, tr.logits, kl), coef, cfg)
-
-    batch = cellwise(steps_4_6)(traj, coefs)
-    check_finite("rewards", batch.rewards, it)
-    return traj, batch, coefs
+    return traj._replace(scores=step_3(pop, prompts, responses))  # (B, b)
 
 
-def update_cells(pop: Population, traj, batch, coefs, it: int) -> dict[str, torch.Tensor]:
-    """Step 7 of ``train_ppo`` (``rlhf.ppo.update``) for every cell; per-cell means of the minibatch stats (B,)
-    accumulated in float64 as ``update`` does in Python floats."""
-    cfg = pop.cfg
-    kl = K.resolve(cfg.kl, cfg.pg_mode)  # kl.loss_kl None: no loss side, the coefficient unused
+def update_cells(pop: Population, traj, batch, coefs, it: int) -> list[dict[str, float]]:
+    """Step 7 of ``rlhf.ppo.train`` (``rlhf.ppo.update``) for every cell: each cell's means of the minibatch stats,
+    accumulated in float64 tensors (B,) as ``update`` does in Python floats (``rlhf.ppo.accumulate``)."""
+    cfg, kl = pop.cfg, pop.kl  # kl.loss_kl None: no loss side, the coefficient unused
     n_mb = cfg.batch_size // cfg.minibatch_size
     loss_fn = pop.call(lambda m, tr, bt, mb, lc: minibatch_loss(m.policy, m.value, tr, bt, mb, lc, cfg, kl))
-    stats: dict[str, torch.Tensor] = {}
+    stats = update_stats(cfg, pop.critic)
     for _ in range(cfg.epochs):
         perms = torch.stack([torch.randperm(cfg.batch_size, generator=g, device=coefs.device) for g in pop.gens])
         for mb in perms.view(len(pop), n_mb, cfg.minibatch_size).unbind(1):  # (B, mb)
             losses, mb_stats = loss_fn(traj, batch, mb, coefs)  # (B,)
             check_finite("loss", losses, it)
             pop.step(losses)
-            for k, v in mb_stats.items():
-                stats[k] = stats.get(k, 0.0) + v.detach().double() / (cfg.epochs * n_mb)
-    order = ["pg_loss", "vf_loss", "clipfrac", "approxkl", "kl_loss", "entropy"]
-    return {k: stats.get(k, torch.zeros(len(pop), dtype=torch.float64)) for k in order if k in stats or k == "kl_loss"}
-
-
-def history_rows(pop: Population, it: int, traj, batch, kl_coefs: list[float], stats) -> list[dict]:
-    """Each cell's row of ``train_ppo``'s history (the same keys, in the same order)."""
-    kl_used = [0.0] * len(pop) if batch.kl_reward is None else per_cell(lambda x: x.sum(1).mean(), batch.kl_reward)
-    kl_exact = per_cell(torch.mean, traj.kl_to_ref)
-    score = per_cell(torch.mean, traj.scores)
-    length = per_cell(lambda m: m.sum(1).mean(), traj.mask)
-    gold = [c.task.gold(x, y).mean().item() for c, x, y in zip(pop.cells, traj.prompts, traj.responses)]
-    stat_lists = {k: v.tolist() for k, v in stats.items()}
-    rows = []
-    for i, coef in enumerate(kl_coefs):
-        row = {"iteration": it, "kl_coef": coef, "kl_reward": kl_used[i]}
-        row |= {k: v[i] for k, v in stat_lists.items()}
-        row |= {"kl_exact": kl_exact[i], "score": score[i], "gold_train": gold[i], "length": length[i]}
-        rows.append(row)
-    return rows
+            accumulate(stats, mb_stats, cfg.epochs * n_mb, lambda v: v.detach().double())
+    lists = {k: v.tolist() if isinstance(v, torch.Tensor) else [v] * len(pop) for k, v in stats.items()}
+    return [{k: v[i] for k, v in lists.items()} for i in range(len(pop))]
 
 
 def train_population(cells: list[CellInputs], progress: Callable[[int], None] | None = None) -> list[dict]:
-    """``rlhf.ppo.train_ppo`` for each of ``cells`` as one batched computation. Returns, per cell, train_ppo's
-    {"history", "evals", "summary", "diagnostics" (empty)} plus "policy": the trained policy's state_dict.
-    ``progress(iteration)`` after each iteration. A single cell runs as a population of 2 (itself twice): with a
-    cell dim of size 1 the CPU kernels coalesce it away and reduce by another path (other last bits)."""
+    """``rlhf.ppo.train_ppo`` for each of ``cells`` as one batched computation (``rlhf.ppo.train`` driving a
+    ``Population``). Returns, per cell, train_ppo's {"history", "evals", "summary", "diagnostics" (empty)} plus
+    "policy": the trained policy's state_dict. ``progress(iteration)`` after each iteration. A single cell runs as
+    a population of 2 (itself twice): with a cell dim of size 1 the CPU kernels coalesce it away and reduce by
+    another path (other last bits)."""
     n, cells = len(cells), (cells * 2 if len(cells) == 1 else cells)
+    report = None if progress is None else lambda it, rows: progress(it)
     with attention(cells[0].train_prompts.device):
-        return _train(Population(cells), progress)[:n]
+        pop = Population(cells)
+        histories, evals, _ = train(pop, [c.initial_eval for c in cells], report)
+        with torch.no_grad():
+            final = pop.state()
+    return [
+        {"history": h, "evals": e, "summary": final_summary(e), "diagnostics": [], "policy": cell_state(final, i)}
+        for i, (h, e) in enumerate(zip(histories[:n], evals[:n]))
+    ]
 
 
 def attention(device: torch.device):
@@ -416,28 +429,3 @@ def attention(device: torch.device):
     batching rule for a fused attention kernel, then it loops over cells); elsewhere the default kernel (on CPU
     it runs cell by cell, which keeps a cell's numbers independent of B)."""
     return sdpa_kernel(SDPBackend.MATH) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _train(pop: Population, progress) -> list[dict]:
-    cfg = pop.cfg
-    """Trains ``pop`` (``train_population``)."""
-    histories, evals = [[] for _ in pop.cells], [[e] for e in evaluate_cells(pop, 0)]
-    for it in range(1, cfg.iterations + 1):
-        traj, batch, coefs = rollout_cells(pop, it)
-        kl_coefs = [ctl.value for ctl in pop.controllers]
-        stats = update_cells(pop, traj, batch, coefs, it)
-        for ctl, kl in zip(pop.controllers, per_cell(torch.mean, traj.kl_to_ref)):
-            ctl.update(kl, cfg.batch_size)
-        for h, row in zip(histories, history_rows(pop, it, traj, batch, kl_coefs, stats)):
-            h.append(row)
-        if it % cfg.eval_every == 0 or it == cfg.iterations:
-            for e, row in zip(evals, evaluate_cells(pop, it)):
-                e.append(row)
-        if progress is not None:
-            progress(it)
-    with torch.no_grad():
-        final = pop.state()
-    return [
-        {"history": h, "evals": e, "summary": final_summary(e), "diagnostics": [], "policy": cell_state(final, i)}
-        for i, (h, e) in enumerate(zip(histories, evals))
-    ]

@@ -1,7 +1,7 @@
 """PPO for RLHF and its critic-free relatives (GRPO, RLOO, REINFORCE++), with every KL variant as a named option.
 
-One iteration of ``train_ppo``, as in openai/lm-human-preferences `train_policy.py` and Huang et al. 2024
-(arXiv 2403.17031):
+One iteration of the training loop ``train``, as in openai/lm-human-preferences `train_policy.py` and Huang et al.
+2024 (arXiv 2403.17031):
     1. generate responses from the policy (group_size per prompt)
     2. log-probs under the policy (old, rollout-time) and the reference; exact KL to the reference; values
     3. score: the proxy reward model at the last response token (RLHF), or the task's verifier (RLVR)
@@ -11,6 +11,10 @@ One iteration of ``train_ppo``, as in openai/lm-human-preferences `train_policy.
     7. epochs x minibatches of clipped policy updates (+ value loss with a critic), plus the loss-side KL
     8. coefficient controller fed with step 2's exact KL; moving reference; held-out evaluation
 How KL enters training is decided only in ``rlhf.kl``, the advantages only in ``rlhf.algorithms``.
+
+``train`` is the one loop: it drives one cell (``Cell``, for ``train_ppo``) or a population of B cells trained as
+one batched computation (``rlhf.population.Population``) through the same steps (``Cells``), and writes every
+iteration's record (``Stats``) in one place.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -154,6 +158,12 @@ def step_kl_reward(traj: Trajectory, logprobs, logits, kl: K.ResolvedKL):
     return None if kl.reward_kl is None else kl.reward_kl(traj, logprobs, logits)
 
 
+def rollout_batch(traj: Trajectory, kl_coef, cfg: PPOConfig, kl: K.ResolvedKL) -> Batch:
+    """Steps 4-6 on a scored rollout: ``rewards_and_advantages`` with the reward-side KL of the rollout policy,
+    computed once here (a later epoch re-makes the batch in ``update`` when ``kl.remeasured``)."""
+    return rewards_and_advantages(traj, step_kl_reward(traj, traj.logprobs, traj.logits, kl), kl_coef, cfg)
+
+
 def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, kl_coef, cfg: PPOConfig, kl: K.ResolvedKL):
     """The loss of one minibatch ``mb`` (indices): clipped policy loss, value loss with a critic, loss-side KL at
     ``kl_coef``. Returns (loss, stats of tensors)."""
@@ -181,16 +191,43 @@ def minibatch_loss(policy, value_model, traj: Trajectory, batch: Batch, mb, kl_c
     return loss, stats
 
 
+class Stats(NamedTuple):
+    """One row of ``history``: the per-iteration record of both training paths (``train_ppo``, and each cell of
+    ``rlhf.population``), its fields in this order; a None field is not in the row (``row``)."""
+
+    iteration: int
+    kl_coef: float  # the coefficient used in this iteration (the controller's value before step 8)
+    kl_reward: float  # mean over responses of sum_t of the reward-side KL per unit coefficient (0.0 without)
+    pg_loss: float  # step 7's stats: means over epochs x minibatches (``update``) ...
+    vf_loss: float | None  # ... None without a critic
+    clipfrac: float
+    approxkl: float
+    kl_loss: float  # the loss-side KL term (0.0 without one)
+    entropy: float | None  # None without an entropy bonus
+    kl_exact: float  # mean exact sum_t KL(pi_old || pi_ref) of the rollout (what the controller is fed)
+    score: float  # mean step-3 score
+    gold_train: float  # mean gold reward of the rollout
+    length: float  # mean response length (EOS included)
+
+    def row(self) -> dict:
+        return {k: v for k, v in self._asdict().items() if v is not None}
+
+
+UPDATE_STATS = Stats._fields[Stats._fields.index("pg_loss") : Stats._fields.index("kl_exact")]
+
+
+def update_stats(cfg: PPOConfig, critic: bool) -> dict[str, float]:
+    """Step 7's stats of ``cfg``'s run, in ``Stats`` order, at 0.0: vf_loss with a critic, entropy with a bonus."""
+    off = {k for k, on in (("vf_loss", critic), ("entropy", cfg.entropy_coef is not None)) if not on}
+    return {k: 0.0 for k in UPDATE_STATS if k not in off}
+
+
 def update(policy, value_model, opt, traj, batch: Batch, kl_coef, cfg: PPOConfig, kl, g, it, max_steps=None):
     """Step 7: epochs x minibatches of updates on one batch. Returns (per-iteration means of the minibatch stats,
     the batch last used: re-made before each later epoch when ``kl.remeasured``). ``max_steps`` stops after
     that many updates (gradient diagnostics)."""
     n_mb = cfg.batch_size // cfg.minibatch_size
-    stats = {"pg_loss": 0.0, "vf_loss": 0.0, "clipfrac": 0.0, "approxkl": 0.0, "kl_loss": 0.0}
-    if value_model is None:
-        del stats["vf_loss"]
-    if cfg.entropy_coef is not None:
-        stats["entropy"] = 0.0
+    stats = update_stats(cfg, value_model is not None)
     steps = 0
     for epoch in range(cfg.epochs):
         if epoch > 0 and kl.remeasured:
@@ -208,9 +245,15 @@ def update(policy, value_model, opt, traj, batch: Batch, kl_coef, cfg: PPOConfig
             loss.backward()
             opt.step()
             steps += 1
-            for k, v in mb_stats.items():
-                stats[k] += v.item() / (cfg.epochs * n_mb)
+            accumulate(stats, mb_stats, cfg.epochs * n_mb, lambda v: v.item())
     return stats, batch
+
+
+def accumulate(stats: dict, mb_stats: dict, n: int, value: Callable) -> None:
+    """stats[k] += value(mb_stats[k]) / n: the running mean of the minibatch stats over the n minibatches of an
+    iteration (``value``: a Python float, or a float64 tensor (B,) in a population: the same rounding)."""
+    for k, v in mb_stats.items():
+        stats[k] += value(v) / n
 
 
 def scorer(reward_model: ScalarModel | None, task: Task, missing_eos_score: float | None):
@@ -222,6 +265,140 @@ def scorer(reward_model: ScalarModel | None, task: Task, missing_eos_score: floa
     return lambda prompts, responses: missing_eos(score(reward_model, prompts, responses), responses, missing_eos_score)
 
 
+class Cells(Protocol):
+    """What ``train`` needs of the cells it trains: one (``Cell``, for ``train_ppo``) or B at once as one batched
+    computation (``rlhf.population.Population``). A trajectory's and a batch's tensors carry the cells' leading
+    dim B in a population (none for one cell); a list holds one entry per cell; ``coefs``: each cell's KL
+    coefficient this iteration."""
+
+    cfg: PPOConfig  # the structure every cell shares (a population's cells differ in seed and KL strength only)
+    kl: K.ResolvedKL  # cfg.kl resolved once per run (``rlhf.kl.resolve``)
+    controllers: list  # each cell's coefficient controller
+
+    def rollout(self, it: int) -> Trajectory: ...  # steps 1-3: prompts, responses, log-probs, KL, values, scores
+    def advantages(self, traj: Trajectory, coefs: list[float]) -> Batch: ...  # steps 4-6
+    def diagnose(self, traj: Trajectory, batch: Batch, coefs: list[float], it: int) -> list[dict]: ...
+    def update(self, traj, batch: Batch, coefs: list[float], it: int) -> tuple[list[dict], Batch]: ...  # step 7
+    def sync_reference(self, it: int) -> None: ...  # step 8's moving reference
+    def per_cell(self, fn: Callable, x: torch.Tensor) -> list[float]: ...  # fn over each cell's own dims
+    def gold(self, traj: Trajectory) -> list[float]: ...  # each cell's mean gold reward of the rollout
+    def evaluate(self, it: int) -> list[dict]: ...  # rlhf.evaluate of each cell, {"iteration": it, ...}
+
+
+def train(cells: Cells, initial_evals: list[dict | None], progress: Callable[[int, list[dict]], None] | None = None):
+    """The training loop (module docstring, steps 1-8) of ``cells``, the one loop of ``train_ppo`` and of
+    ``rlhf.population``. ``initial_evals``: each cell's iteration-0 measurement when already made (the SFT
+    policy's, ``rlhf.evaluate``), None where ``cells`` must measure it. Returns (histories, evals, diagnostics):
+    per cell its ``Stats`` rows and its measurements every ``eval_every`` iterations (and at 0 and the end);
+    gradient-diagnostic rows (one cell only). ``progress(it, rows)`` after each iteration."""
+    cfg, kl = cells.cfg, cells.kl
+    if any(e is None for e in initial_evals):
+        initial_evals = [m if e is None else e for e, m in zip(initial_evals, cells.evaluate(0))]
+    evals, histories, diagnostics = [[dict(e)] for e in initial_evals], [[] for _ in initial_evals], []
+    for it in range(1, cfg.iterations + 1):
+        coefs = [ctl.value for ctl in cells.controllers]
+        # 1-3. generate; log-probs under the policy (old) and the reference, exact KL to the reference; values;
+        # score: proxy at the last response token (missing-EOS score if configured), or the verifier
+        traj = cells.rollout(it)
+        check_finite("scores", traj.scores, it)
+        # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm
+        batch = cells.advantages(traj, coefs)
+        check_finite("rewards", batch.rewards, it)
+        # gradient diagnostics, on copies with their own generator; a run without KL has no KL gradient to judge
+        if cfg.diagnostics is not None and kl.on and it in cfg.diagnostics.at:
+            diagnostics += cells.diagnose(traj, batch, coefs, it)
+        # 7. epochs x minibatches of clipped updates (loss-side KL)
+        stats, batch = cells.update(traj, batch, coefs, it)
+        # 8. controller on the exact KL of step 2; moving reference; evaluation
+        kl_exact = cells.per_cell(torch.mean, traj.kl_to_ref)
+        for ctl, value in zip(cells.controllers, kl_exact):
+            ctl.update(value, cfg.batch_size)
+        cells.sync_reference(it)
+        rows = [r.row() for r in records(cells, it, coefs, stats, traj, batch, kl_exact)]
+        for h, row in zip(histories, rows):
+            h.append(row)
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            for e, row in zip(evals, cells.evaluate(it)):
+                e.append(row)
+        if progress is not None:
+            progress(it, rows)
+    return histories, evals, diagnostics
+
+
+class Cell:
+    """One cell's models, optimiser, generator and controller, as ``train`` drives them (``Cells``; its tensors
+    have no cell dim). Set up in ``train_ppo``'s order: the run's generator and the global seed, then a value model
+    (its new head is drawn from the global generator), the optimiser, the controller."""
+
+    def __init__(self, policy, ref_policy, reward_model, task: Task, train_prompts, eval_sets: dict, cfg: PPOConfig):
+        if (task.reward == "learned") != (reward_model is not None):
+            need = "a reward model" if task.reward == "learned" else "no reward model"
+            raise ValueError(f"a task with a {task.reward!r} reward needs {need}")
+        self.policy, self.ref_policy, self.reward_model, self.task = policy, ref_policy, reward_model, task
+        self.train_prompts, self.eval_sets, self.cfg = train_prompts, eval_sets, cfg
+        self.kl = K.resolve(cfg.kl, cfg.pg_mode)  # the only reading of cfg.kl: both sides, once per run
+        self.g = torch.Generator(device=train_prompts.device).manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        # value model initialised from the reward model (Huang et al.), or from the SFT backbone with a new head
+        self.value_model = None
+        if ALGORITHMS[cfg.algorithm].critic:
+            self.value_model = (
+                copy.deepcopy(reward_model) if reward_model is not None else init_reward_model(ref_policy)
+            )
+        self.score = scorer(reward_model, task, cfg.missing_eos_score)
+        params = list(policy.parameters()) + (list(self.value_model.parameters()) if self.value_model else [])
+        self.opt = adam(params, lr=cfg.lr, eps=cfg.adam_eps)
+        self.controllers = [self.kl.controller()]
+        self.train_ref = copy.deepcopy(ref_policy) if self.kl.moving_reference else ref_policy
+
+    # Steps 1-6 run under inference mode: nothing there is differentiated (the reward model's and the reference's
+    # parameters require grad, so plain autograd would record their graphs), and the losses of step 7 read the
+    # trajectory and the batch only through minibatch indexing, which makes ordinary tensors of them.
+    @torch.inference_mode()
+    def rollout(self, it: int) -> Trajectory:
+        prompts = draw_prompts(self.train_prompts, self.cfg.batch_size, self.cfg.group_size, self.g)
+        traj = self.sample(self.policy, prompts, self.g, self.value_model)
+        return traj._replace(scores=self.score(traj.prompts, traj.responses))  # (b,)
+
+    def sample(self, policy, prompts, g, value_model=None) -> Trajectory:
+        """Steps 1-2 (``rollout``) of ``policy`` on ``prompts`` with generator ``g``."""
+        return rollout(
+            policy, self.ref_policy, self.train_ref, value_model, prompts, self.task, self.cfg.temperature, g
+        )
+
+    @torch.inference_mode()
+    def advantages(self, traj: Trajectory, coefs: list[float]) -> Batch:
+        return rollout_batch(traj, coefs[0], self.cfg, self.kl)
+
+    def diagnose(self, traj: Trajectory, batch: Batch, coefs: list[float], it: int) -> list[dict]:
+        cfg, kl = self.cfg, self.kl
+        updates = functools.partial(update, traj=traj, batch=batch, kl_coef=coefs[0], cfg=cfg, kl=kl, it=it)
+        sample = lambda pol, n, gen: self.sample(pol, draw_prompts(self.train_prompts, n, cfg.group_size, gen), gen)
+        return gradient_diagnostics(
+            self.policy, self.value_model, self.opt, self.ref_policy, self.train_prompts, self.task, cfg, kl, it,
+            sample, updates, self.train_ref,
+        )  # fmt: skip
+
+    def update(self, traj: Trajectory, batch: Batch, coefs: list[float], it: int) -> tuple[list[dict], Batch]:
+        stats, batch = update(self.policy, self.value_model, self.opt, traj, batch, coefs[0], self.cfg, self.kl,
+                              self.g, it)  # fmt: skip
+        return [stats], batch
+
+    def sync_reference(self, it: int) -> None:
+        self.kl.sync_reference_due(self.train_ref, self.policy, it)
+
+    def per_cell(self, fn: Callable, x: torch.Tensor) -> list[float]:
+        return [fn(x).item()]
+
+    def gold(self, traj: Trajectory) -> list[float]:
+        return [self.task.gold(traj.prompts, traj.responses).mean().item()]
+
+    def evaluate(self, it: int) -> list[dict]:
+        t, s = self.cfg.temperature, self.cfg.eval_seed
+        return [{"iteration": it, **evaluate(self.policy, self.ref_policy, self.reward_model, self.task,
+                                             self.eval_sets, t, s)}]  # fmt: skip
+
+
 def train_ppo(
     policy: TinyLM,
     ref_policy: TinyLM,
@@ -231,83 +408,38 @@ def train_ppo(
     eval_sets: dict[str, torch.Tensor] | torch.Tensor,
     cfg: PPOConfig,
     progress: Callable[[dict], None] | None = None,
+    initial_eval: dict | None = None,
 ) -> dict:
     """Runs ``cfg.algorithm`` in place on ``policy``. ``reward_model``: the proxy of a learned-reward task (None for
     a verifier task); ``eval_sets``: held-out prompts by name ({"": in-domain, "ood": ...}, rlhf.evaluate; a tensor
-    is the in-domain set alone).
-    Returns {"history": per-iteration dicts, "evals": held-out measurements every ``eval_every`` iterations (and at
-    0 and the end), "summary": the final measurement, "diagnostics": gradient-diagnostic rows (empty unless
-    ``cfg.diagnostics``)}."""
-    if (task.reward == "learned") != (reward_model is not None):
-        need = "a reward model" if task.reward == "learned" else "no reward model"
-        raise ValueError(f"a task with a {task.reward!r} reward needs {need}")
+    is the in-domain set alone). ``initial_eval``: the iteration-0 measurement of this ``policy`` if already made,
+    {"iteration": 0, **rlhf.evaluate.evaluate(policy, ref_policy, reward_model, task, eval_sets, cfg.temperature,
+    cfg.eval_seed)}; None measures it (the same numbers: the evaluation draws from its own generator only).
+    Returns {"history": per-iteration dicts (``Stats``), "evals": held-out measurements every ``eval_every``
+    iterations (and at 0 and the end), "summary": the final measurement, "diagnostics": gradient-diagnostic rows
+    (empty unless ``cfg.diagnostics``)}. ``progress(row)`` after each iteration."""
     eval_sets = eval_sets if isinstance(eval_sets, dict) else {"": eval_sets}
-    kl = K.resolve(cfg.kl, cfg.pg_mode)  # the only reading of cfg.kl: both sides, once per run
-    device = train_prompts.device
-    g = torch.Generator(device=device).manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    critic = ALGORITHMS[cfg.algorithm].critic
-    # value model initialised from the reward model (Huang et al.), or from the SFT backbone with a new head
-    value_model = None
-    if critic:
-        value_model = copy.deepcopy(reward_model) if reward_model is not None else init_reward_model(ref_policy)
-    score_fn = scorer(reward_model, task, cfg.missing_eos_score)
-    params = list(policy.parameters()) + (list(value_model.parameters()) if critic else [])
-    opt = adam(params, lr=cfg.lr, eps=cfg.adam_eps)
-    ctl = kl.controller()
-    train_ref = copy.deepcopy(ref_policy) if kl.moving_reference else ref_policy
-    measure = lambda it: {
-        "iteration": it,
-        **evaluate(policy, ref_policy, reward_model, task, eval_sets, cfg.temperature, cfg.eval_seed),
-    }
-    history, evals, diagnostics = [], [measure(0)], []
+    cell = Cell(policy, ref_policy, reward_model, task, train_prompts, eval_sets, cfg)
+    report = None if progress is None else lambda it, rows: progress(rows[0])
+    histories, evals, diagnostics = train(cell, [initial_eval], report)
+    return {"history": histories[0], "evals": evals[0], "summary": final_summary(evals[0]), "diagnostics": diagnostics}
 
-    def sample(pol, n, gen):  # steps 1-2 for n responses of ``pol``, for the gradient diagnostics
-        prompts = draw_prompts(train_prompts, n, cfg.group_size, gen)
-        return rollout(pol, ref_policy, train_ref, None, prompts, task, cfg.temperature, gen)
 
-    for it in range(1, cfg.iterations + 1):
-        kl_coef = ctl.value
-        # 1-2. generate; log-probs under the policy (old) and the reference, exact KL to the reference; values
-        prompts = draw_prompts(train_prompts, cfg.batch_size, cfg.group_size, g)
-        traj = rollout(policy, ref_policy, train_ref, value_model, prompts, task, cfg.temperature, g)
-        # 3. score: proxy at the last response token (missing-EOS score if configured), or the verifier
-        scores = score_fn(traj.prompts, traj.responses)  # (b,)
-        check_finite("scores", scores, it)
-        traj = traj._replace(scores=scores)
-        # 4-6. rewards (reward-side KL, computed once here), whitening, advantages of the algorithm
-        with torch.no_grad():
-            kl_reward = step_kl_reward(traj, traj.logprobs, traj.logits, kl)
-            batch = rewards_and_advantages(traj, kl_reward, kl_coef, cfg)
-        check_finite("rewards", batch.rewards, it)
-        # gradient diagnostics, on copies with their own generator; a run without KL has no KL gradient to judge
-        if cfg.diagnostics is not None and kl.on and it in cfg.diagnostics.at:
-            updates = functools.partial(update, traj=traj, batch=batch, kl_coef=kl_coef, cfg=cfg, kl=kl, it=it)
-            diagnostics += gradient_diagnostics(
-                policy, value_model, opt, ref_policy, train_prompts, task, cfg, kl, it, sample, updates, train_ref
-            )
-        # 7. epochs x minibatches of clipped updates (loss-side KL)
-        stats, batch = update(policy, value_model, opt, traj, batch, kl_coef, cfg, kl, g, it)
-        # 8. controller on the exact KL of step 2; moving reference; evaluation
-        ctl.update(traj.kl_to_ref.mean().item(), cfg.batch_size)
-        kl.sync_reference_due(train_ref, policy, it)
-        kl_used = batch.kl_reward.sum(1).mean().item() if batch.kl_reward is not None else 0.0
-        row = {
-            "iteration": it,
-            "kl_coef": kl_coef,
-            "kl_reward": kl_used,
-            **stats,
-            "kl_exact": traj.kl_to_ref.mean().item(),
-            "score": scores.mean().item(),
-            "gold_train": task.gold(traj.prompts, traj.responses).mean().item(),
-            "length": traj.mask.sum(1).mean().item(),
-        }
-        history.append(row)
-        if it % cfg.eval_every == 0 or it == cfg.iterations:
-            evals.append(measure(it))
-        if progress is not None:
-            progress(row)
-    return {"history": history, "evals": evals, "summary": final_summary(evals), "diagnostics": diagnostics}
+def records(cells: Cells, it: int, coefs, step7: list[dict], traj, batch: Batch, kl_exact) -> list[Stats]:
+    """Each cell's ``Stats`` of iteration ``it``: its coefficient, its step-7 stats ``step7`` (vf_loss and entropy
+    None when its run has none), the exact KL of its rollout ``kl_exact`` and the other means over its rollout."""
+    per_cell, n = cells.per_cell, len(coefs)
+    kl_used = [0.0] * n if batch.kl_reward is None else per_cell(lambda x: x.sum(1).mean(), batch.kl_reward)
+    scores, lengths, gold = (
+        per_cell(torch.mean, traj.scores),
+        per_cell(lambda m: m.sum(1).mean(), traj.mask),
+        cells.gold(traj),
+    )
+    return [
+        Stats(it, coefs[i], kl_used[i], **(dict.fromkeys(("vf_loss", "entropy")) | step7[i]),
+              kl_exact=kl_exact[i], score=scores[i], gold_train=gold[i], length=lengths[i])
+        for i in range(n)
+    ]  # fmt: skip
 
 
 def final_summary(evals: list[dict]) -> dict:

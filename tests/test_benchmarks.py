@@ -26,6 +26,7 @@ SMOKE = {
     "arithmetic_calibration.py": ["--smoke", "--seeds", "0", "--runs", "loss_k3@0.3", "--out", "arithmetic.json"],
     "bench_algorithms.py": ["--iterations", "3", "--repeats", "1", "--group-size", "2"],
     "bench_backends.py": ["--repeats", "1", "--backends", "tiny"],
+    "bench_cell.py": ["--cells", "grammar_calibration_baseline@0-0", "--rounds", "1", "--baseline", "HEAD"],
     "bench_population.py": [
         "--device",
         "cpu",

@@ -5,7 +5,7 @@
     python -m pipelines.run --gpus 0,1 --workers-per-gpu 2   # 4 workers, 2 on each of GPUs 0 and 1
     python -m pipelines.run --ray-address auto   # cells as Ray tasks (pip install -e '.[ray]'), shared filesystem
     python -m pipelines.run --gpus 0 --population 256   # up to 256 cells of one structure per worker, batched
-                                                        # (pipelines/population.py; the CPU default stays 1 cell)
+                                                        # (pipelines/runner/population.py; the CPU default stays 1 cell)
 
 Placement. Without CUDA (torch sees no device; `CUDA_VISIBLE_DEVICES=` hides them) workers are CPU processes, one
 per core or --workers. With CUDA each worker owns one GPU for its life: its CUDA_VISIBLE_DEVICES is set to that

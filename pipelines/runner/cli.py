@@ -127,7 +127,7 @@ class Sweep:
             return
         run_cell, jobs = self.run_cell, plan.cell_jobs(todo)
         if self.args.population:  # groups of cells, each group one batched computation in a worker
-            from pipelines import population
+            from pipelines.runner import population
 
             items = population.plan(self.params, todo, self.args.population)
             jobs = [plan.Job(x, x.cells if isinstance(x, population.Group) else (x,)) for x in items]

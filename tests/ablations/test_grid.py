@@ -80,14 +80,19 @@ def test_runner_and_dvc_agree_on_every_accepted_spelling(tmp_path):
     assert ours <= theirs, sorted(ours - theirs)[:5]
     upstream = set()
     for prefix, spec in TASKS.items():
-        kinds, section = ("data", "sft", "rm") if spec.learned_reward else ("data", "sft"), getattr(params, prefix)
+        kinds = ("data", "sft", "rm", "eval0") if spec.learned_reward else ("data", "sft", "eval0")
+        section = getattr(params, prefix)
         upstream |= {f"{prefix}_{s}@{i}" for s in kinds for i in section.instances}
         upstream |= {f"{prefix}_calibration_{s}@{i}" for s in kinds for i in section.calibration.instances}
     assert {s for chain in upstream_chains(params) for s in chain} == upstream
     assert theirs - ours == upstream | {f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")}
     assert calibrate_stages(params) == [f"{t}_calibrate" for t in TASKS]
     assert {s.split("@")[0] for s in upstream} == set(upstream_stages(params)) | {
-        f"{t}_{p}{k}" for t in TASKS for p in ("", "calibration_") for k in ("data", "sft")
+        f"{t}_{p}{k}"
+        for t in TASKS
+        for p in ("", "calibration_")
+        for k in ("data", "sft", "rm")
+        if k != "rm" or TASKS[t].learned_reward
     }
     kinds = {c.group for c in cells(params)}
     assert kinds == {f"{t}_{k}" for t in params.tasks() for k in
@@ -99,7 +104,7 @@ def test_upstream_chains_run_calibration_instances_first_in_stage_order():
     params = load_params(REPO / "params.yaml")
     chains = upstream_chains(params)
     g = params.grammar
-    first = [stage_name(f"grammar_calibration_{k}", g.calibration.instances[0]) for k in ("data", "sft", "rm")]
+    first = [stage_name(f"grammar_calibration_{k}", g.calibration.instances[0]) for k in ("data", "sft", "rm", "eval0")]
     assert chains[0] == first
     evaluation = [c for c in chains if c[0].startswith("grammar_data@")]
     assert chains.index(evaluation[0]) > max(

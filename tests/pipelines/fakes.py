@@ -156,7 +156,7 @@ if __name__ == "__main__":
 
 
 def sleepy_group(params, group) -> dict:
-    """A population (pipelines/population.py ``Group``): ``sleepy`` for each of its cells, in one worker call;
+    """A population (pipelines/runner/population.py ``Group``): ``sleepy`` for each of its cells, in one worker call;
     writes FAKE_DIR/group-<first stage>.json with its cells' stages."""
     for cell in group.cells:
         sleepy(params, cell)

@@ -1,4 +1,4 @@
-"""The runner's --population (pipelines/population.py): stale cells grouped by structure, each group one worker
+"""The runner's --population (pipelines/runner/population.py): stale cells grouped by structure, each group one worker
 call, every cell of a group recorded in dvc.lock as a cell is (fake DVC and fake cells, tests/pipelines/fakes.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from ablations.config import Params
 from ablations.grid import calibration_cells
-from pipelines import population
+from pipelines.runner import population
 from tests.conftest import repo_params
 from tests.pipelines.fakes import committed, env, runner_script
 from tests.pipelines.procs import HANG_S
@@ -62,7 +62,7 @@ def test_hf_cells_are_grouped_unless_under_bf16_autocast(bf16):
 def test_the_runner_runs_groups_and_records_every_cell(workdir):
     script = runner_script().replace(
         "from tests.pipelines import fakes; ",
-        "from tests.pipelines import fakes; from pipelines import population; "
+        "from tests.pipelines import fakes; from pipelines.runner import population; "
         "population.group_fn = fakes.sleepy_group; ",
     )
     argv = ["--workers", "2", "--commit-every", "0", "--calibration-only", "--population", "3"]

@@ -405,16 +405,23 @@ def stage_records(workdir: Path) -> dict[str, dict]:
 
 def test_upstream_chains_match_dvc_yaml():
     assert CHAINS == [
-        ["grammar_calibration_data@0", "grammar_calibration_sft@0", "grammar_calibration_rm@0"],
-        ["grammar_data@10", "grammar_sft@10", "grammar_rm@10"],
-        ["grammar_data@11", "grammar_sft@11", "grammar_rm@11"],
+        [
+            "grammar_calibration_data@0",
+            "grammar_calibration_sft@0",
+            "grammar_calibration_rm@0",
+            "grammar_calibration_eval0@0",
+        ],
+        ["grammar_data@10", "grammar_sft@10", "grammar_rm@10", "grammar_eval0@10"],
+        ["grammar_data@11", "grammar_sft@11", "grammar_rm@11", "grammar_eval0@11"],
     ]
     both = Params.model_validate(repo_params())  # params.yaml: arithmetic has no rm stage
-    assert ["arithmetic_calibration_data@0", "arithmetic_calibration_sft@0"] in upstream_chains(both)
-    assert ["arithmetic_data@100", "arithmetic_sft@100"] in upstream_chains(both)
+    assert ["arithmetic_calibration_data@0", "arithmetic_calibration_sft@0", "arithmetic_calibration_eval0@0"] in (
+        upstream_chains(both)
+    )
+    assert ["arithmetic_data@100", "arithmetic_sft@100", "arithmetic_eval0@100"] in upstream_chains(both)
     assert upstream_chains(PARAMS, evaluation=False) == CHAINS[:1]  # --calibration-only
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]  # YAML merge keys resolved
-    for task, kind in itertools.product(TASKS, ("data", "sft", "rm")):
+    for task, kind in itertools.product(TASKS, ("data", "sft", "rm", "eval0")):
         if kind == "rm" and not TASKS[task].learned_reward:
             assert f"{task}_rm" not in stages and f"{task}_calibration_rm" not in stages
             continue
@@ -447,8 +454,15 @@ def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cell
 def test_a_chain_with_fresh_data_and_stale_sft_starts_at_sft(workdir):
     out = run_upstream(workdir, ["grammar_sft@11", "grammar_calibration_rm@0"])
     assert out.returncode == 0, (out.stdout, out.stderr)
-    assert set(stage_records(workdir)) == {"grammar_sft@11", "grammar_rm@11", "grammar_calibration_rm@0"}
-    assert set(committed(workdir / "fake.lock")[:3]) == {"grammar_sft@11", "grammar_rm@11", "grammar_calibration_rm@0"}
+    ran = {
+        "grammar_sft@11",
+        "grammar_rm@11",
+        "grammar_eval0@11",
+        "grammar_calibration_rm@0",
+        "grammar_calibration_eval0@0",
+    }
+    assert set(stage_records(workdir)) == ran
+    assert set(committed(workdir / "fake.lock")[:5]) == ran
 
 
 def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
@@ -463,7 +477,7 @@ def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(wor
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert out.stderr == "error: upstream stage failed: grammar_sft@10; its message is above; no cell ran\n"
     assert "FAILED grammar_sft@10: ValueError: grammar_sft@10 broke" in out.stdout
-    calibration_chain = {"grammar_calibration_data@0", "grammar_calibration_sft@0", "grammar_calibration_rm@0"}
+    calibration_chain = set(CHAINS[0])
     assert set(committed(workdir / "fake.lock")) == calibration_chain  # the others kept
     assert not with_outputs(workdir) and not list((workdir / "fake").glob("worker-*"))
 

@@ -127,3 +127,27 @@ def test_hf_cells_under_bf16_autocast_or_beside_tiny_cells_are_refused(ppo_setup
         train_population(
             [cell(ppo_setup, "ppo-reward-k1", 0.1, 0, hf_models), cell(ppo_setup, "ppo-reward-k1", 0.1, 1)]
         )
+
+
+def test_a_given_iteration_0_evaluation_is_used_and_changes_nothing_else(ppo_setup):
+    """A cell's ``initial_eval`` (its instance's eval0 in the pipeline) is its first measurement; training and the
+    later measurements are those of the same cell that measures iteration 0 itself (the evaluation has its own
+    generator). The other cells of the population still measure theirs."""
+    cells = [cell(ppo_setup, "ppo-reward-k1", coef, seed) for coef, seed in ((0.03, 0), (0.1, 1), (0.3, 2))]
+    measured = train_population(cells)
+    given = {**measured[1]["evals"][0], "gold": -7.0}
+    got = train_population([cells[0], cells[1]._replace(initial_eval=given), cells[2]])
+    assert got[1]["evals"][0] == given and got[1]["evals"][1:] == measured[1]["evals"][1:]
+    assert got[1]["history"] == measured[1]["history"] and got[0]["evals"] == measured[0]["evals"]
+    assert all(torch.equal(got[1]["policy"][k], v) for k, v in measured[1]["policy"].items())
+
+
+@pytest.mark.parametrize("arm", ["ppo-reward-k1", "ppo-none-entropy"])
+def test_history_rows_have_train_ppos_keys_in_its_order(ppo_setup, arm):
+    """One record (``rlhf.ppo.Stats``) for both paths: the same keys in the same order (vf_loss with a critic,
+    entropy with an entropy bonus)."""
+    c = cell(ppo_setup, arm, 0.1, 0)
+    ref = train_ppo(copy.deepcopy(c.policy), c.ref, c.reward_model, c.task, c.train_prompts, c.eval_sets, c.cfg)
+    pop = train_population([c])[0]
+    assert [list(r) for r in pop["history"]] == [list(r) for r in ref["history"]]
+    assert ("entropy" in ref["history"][0]) == (arm == "ppo-none-entropy") and "vf_loss" in ref["history"][0]

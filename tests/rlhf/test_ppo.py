@@ -426,3 +426,25 @@ def test_adaptive_controller_steers_the_coefficient_within_a_run(run_ppo, algori
     ]
     steps = [b / a for a, b in itertools.pairwise(coefs)]
     assert steps == pytest.approx([1.04] * 3 if direction == "up" else [0.96] * 3, rel=1e-9)
+
+
+def test_history_rows_are_stats_records_in_field_order(run_ppo):
+    """Every history row is an ``rlhf.ppo.Stats`` row: its fields in order, without those a run does not have
+    (vf_loss without a critic, entropy without an entropy bonus)."""
+    fields = list(ppo.Stats._fields)
+    ppo_row = run_ppo()["history"][0]
+    assert list(ppo_row) == [f for f in fields if f != "entropy"]
+    grpo_row = run_ppo(algorithm="grpo", group_size=2, entropy_coef=0.01)["history"][0]
+    assert list(grpo_row) == [f for f in fields if f != "vf_loss"]
+    assert all(isinstance(v, float) for k, v in grpo_row.items() if k != "iteration")
+
+
+def test_a_given_iteration_0_evaluation_replaces_the_measurement_and_changes_nothing_else(run_ppo, ppo_setup):
+    measured = run_ppo()
+    s = ppo_setup
+    given = {**measured["evals"][0], "gold": 42.0}
+    out = ppo.train_ppo(copy.deepcopy(s.policy), copy.deepcopy(s.ref), copy.deepcopy(s.reward_model), s.grammar,
+                        s.train_prompts, s.eval_prompts, small_ppo_config(), initial_eval=given)  # fmt: skip
+    assert out["evals"][0] == given and out["evals"][0] is not given
+    assert out["evals"][1:] == measured["evals"][1:] and out["history"] == measured["history"]
+    assert out["summary"]["peak_gold"] == 42.0 and out["summary"]["peak_gold_iteration"] == 0

@@ -90,7 +90,15 @@ def run_group(params: Params, group: Group) -> dict:
     device = setup()
     loaded = [load_cell(params, find_cell(params, c.stage), device) for c in group.cells]
     inputs = [
-        CellInputs(c.ref, c.reward_model, c.task, c.data["train_prompts"].to(device), eval_sets(c.data, device), c.cfg)
+        CellInputs(
+            c.ref,
+            c.reward_model,
+            c.task,
+            c.data["train_prompts"].to(device),
+            eval_sets(c.data, device),
+            c.cfg,
+            initial_eval=c.initial_eval,
+        )
         for c in loaded
     ]
     axes = [cell_axes(c.cell, c.cfg) for c in loaded]
