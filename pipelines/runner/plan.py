@@ -13,11 +13,38 @@ from pipelines.runner.dvccli import dvc
 from pipelines.runner.signals import RunnerError, Signals
 
 
+def status(env: dict[str, str], sig: Signals) -> dict:
+    """The stages that are changed or have never run, per `dvc status --json` (asking for the whole pipeline at once
+    is ~10x faster than naming 100 stages, which DVC collects one by one)."""
+    return json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
+
+
 def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cell]:
-    """Grid cells whose DVC stage is changed or has never run (per `dvc status --json`; asking for the whole
-    pipeline at once is ~10x faster than naming 100 stages, which DVC collects one by one)."""
-    status = json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
-    return [c for c in grid if c.stage in status]
+    """Grid cells whose DVC stage is changed or has never run (``status``)."""
+    stale = status(env, sig)
+    return [c for c in grid if c.stage in stale]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A stage that follows a wave of cells, one per task: ``<task>_calibrate`` after the calibration cells,
+    ``<task>_analysis`` after the evaluation cells (dvc.yaml's ``python -m pipelines.<kind> <task>``). It runs in a
+    worker as soon as every cell of its task in the wave has finished."""
+
+    task: str
+    kind: str  # "calibrate" or "analysis"
+
+    @property
+    def stage(self) -> str:
+        return f"{self.task}_{self.kind}"
+
+
+def stale_tails(kind: str, tasks, stale: dict, todo: list) -> list[Tail]:
+    """The ``kind`` stages of ``tasks`` to run after a wave: each one `dvc status` calls ``stale`` now, or whose task
+    has a cell to run (``todo``) in the wave; once a stage reruns, every stage after it must (as ``stale_chains``),
+    so no second `dvc status` is needed when the wave ends."""
+    ran = {c.task for item in todo for c in getattr(item, "cells", (item,))}
+    return [Tail(task, kind) for task in tasks if f"{task}_{kind}" in stale or task in ran]
 
 
 @dataclass(frozen=True)

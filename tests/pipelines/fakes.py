@@ -2,11 +2,11 @@
 rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an interrupted commit leaves it cut).
 
     python -m tests.pipelines.fakes dvc status --json   # every cell of ./params.yaml (calibration too) is stale
-    python -m tests.pipelines.fakes dvc repro ...       # does nothing (the calibrate stages and the analysis)
+    python -m tests.pipelines.fakes dvc repro ...       # does nothing
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`; `dvc repro` appends its
-arguments to FAKE_DIR/repro, one call a line), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the
+arguments to FAKE_DIR/repro, one call a line; ``tail`` its stage to FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the
 calibration cells come first -- take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER
 (``placed``), FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none),
 FAKE_FAIL (the upstream stage that fails).
@@ -31,12 +31,12 @@ def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[st
         "dvccli.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
         "dvccli.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
     )
-    stage = "fakes.stage" if fake_dvc else "worker.upstream_stage"
+    stage, tail = ("fakes.stage", "fakes.tail") if fake_dvc else ("worker.upstream_stage", "worker.tail_stage")
     visible = "" if gpus is None else f"plan.visible_gpus = lambda: {list(gpus)!r}; "
     return (
         "import sys; from pipelines.runner import cli, dvccli, plan, worker; from tests.pipelines import fakes; "
         f"{dvc if fake_dvc else ''}{visible}"
-        f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}))"
+        f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}, run_tail={tail}))"
     )
 
 
@@ -101,6 +101,17 @@ def stage(params, up) -> dict:
         raise ValueError(f"{up.stage} broke")
     record = {"start": start, "end": time.time(), "others": sorted(others)}
     (here / f"stage-{up.stage}.json").write_text(json.dumps(record))
+    return {"wall_s": 0.0}
+
+
+def tail(params, t) -> dict:
+    """A stage after a wave (calibrate, analysis): appends its name and the cells of its task with outputs by then
+    to FAKE_DIR/tails, one line each."""
+    from ablations.grid import cells
+
+    done = sum((c.out_dir / "summary.json").exists() for c in cells(params) if c.task == t.task)
+    with open(Path(os.environ["FAKE_DIR"]) / "tails", "a") as f:
+        f.write(f"{t.stage} after {done} cells\n")
     return {"wall_s": 0.0}
 
 
