@@ -6,8 +6,9 @@ rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an in
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`; `dvc repro` appends its
-arguments to FAKE_DIR/repro, one call a line; ``tail`` its stage to FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the
-calibration cells come first -- take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER
+arguments to FAKE_DIR/repro, one call a line; ``tail`` its stage to FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST
+cells of ablations.grid.cells -- the calibration cells come first -- take 0.05 s, the others a minute),
+FAKE_COMMIT_S (default 0), FAKE_TOGETHER
 (``placed``), FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none),
 FAKE_FAIL (the upstream stage that fails).
 """
