@@ -143,26 +143,31 @@ def export_runs() -> list[dict]:
 
 
 _CLIENTS: dict[str, tuple] = {}
+RAY_NODE_TAG = "ray_node"  # the id of the Ray node a stage ran on
 
 
-def import_runs(experiment: str, runs: list[dict], commit: str) -> None:
+def import_runs(experiment: str, runs: list[dict], commit: str, node: str | None = None) -> None:
     """Logs runs a Ray worker exported (``export_runs``) into this repository's store as the stage would have logged
     them here (tracking.stage_run): earlier runs of the same stage of this repository deleted, the repository's root
-    and ``commit`` (the runner's git commit: the node has no repository) as tags, everything else as it was logged.
-    MLflow is only a mirror: a failure is a note, not a failed stage."""
+    and ``commit`` (the runner's git commit: the node has no repository) as tags, and the Ray ``node`` it ran on
+    (``RAY_NODE_TAG``), everything else as it was logged. MLflow is only a mirror: a failure is a note, not a failed
+    stage."""
     from mlflow.entities import Metric, Param
 
     for rec in runs:
         try:
-            if experiment not in _CLIENTS:
-                _CLIENTS[experiment] = tracking.experiment_client(experiment)
-            client, exp_id = _CLIENTS[experiment]
+            key = f"{tracking.tracking_uri()} {experiment}"
+            if key not in _CLIENTS:
+                _CLIENTS[key] = tracking.experiment_client(experiment)
+            client, exp_id = _CLIENTS[key]
             stage = rec["tags"].get(tracking.STAGE_TAG, rec["name"])
             for old in client.search_runs([exp_id], filter_string=f"tags.{tracking.STAGE_TAG} = '{stage}'"):
                 if tracking._ours(old):  # as tracking.stage_run: never another repository's run of the stage
                     client.delete_run(old.info.run_id)
             tags = {k: v for k, v in rec["tags"].items() if k != "mlflow.runName"}
-            tags |= {tracking.REPO_TAG: str(tracking.ROOT), "git_commit": commit}
+            tags |= {tracking.REPO_TAG: str(tracking.ROOT), "git_commit": commit} | (
+                {RAY_NODE_TAG: node} if node else {}
+            )
             rid = client.create_run(exp_id, start_time=rec["start_time"], tags=tags, run_name=rec["name"]).info.run_id
             params = [Param(k, v) for k, v in rec["params"].items()]
             metrics = [Metric(*m) for m in rec["metrics"]]

@@ -45,15 +45,16 @@ def ray_resources(cluster_gpus: float, workers_per_gpu: int | None, threads: int
 
 def inputs(item) -> list[Path]:
     """The upstream outputs a cell or an upstream stage reads (its dvc.yaml deps other than code): the instance's
-    task.pt, sft.pt and rm.pt (a learned-reward task) for a cell, and protocol/<task>.json for a design cell; the
-    task.pt (and sft.pt for a reward model) for an upstream stage."""
+    task.pt, sft.pt and rm.pt (a learned-reward task) for a cell, and protocol/<task>.json for a design cell; none
+    for a data stage, its task.pt for an SFT stage, and both for a reward model (tests/pipelines/test_remote.py
+    checks them against DVC's)."""
     from pipelines.common import data_path, model_path
 
     if isinstance(item, Upstream):
         group, instance = item.stage.split("@")
         task, kind = group.rsplit("_", 1)
-        task = task.removesuffix("_calibration")
-        return [data_path(task, int(instance)), *([model_path(task, int(instance), "sft")] if kind == "rm" else [])]
+        task, i = task.removesuffix("_calibration"), int(instance)
+        return {"data": [], "sft": [data_path(task, i)], "rm": [data_path(task, i), model_path(task, i, "sft")]}[kind]
     if not isinstance(item, Cell):
         raise TypeError(f"no Ray task for {item!r}")
     found = [data_path(item.task, item.instance), model_path(item.task, item.instance, "sft")]
@@ -121,7 +122,7 @@ class RayPool:
     def result(self, handle) -> dict:
         """The stage's summary, once its files are in the repository and its MLflow runs in the store."""
         item, out = self.items.pop(handle), self.ray.get(handle)
-        mlflow_runs.import_runs(self.experiment, out["runs"], self.commit)
+        mlflow_runs.import_runs(self.experiment, out["runs"], self.commit, out["node"])
         if out["error"] is not None:
             raise StageError(out["error"])
         deliver(out["outputs"], [item.out_dir] if isinstance(item, Cell) else [])

@@ -92,11 +92,18 @@ def _outputs(root: Path, inputs: set[str]) -> dict[str, bytes]:
     return out
 
 
+def _node() -> str | None:
+    """The id of the Ray node this runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def run(job: Job, *contents: bytes) -> dict:
     """The Ray task: ``job`` in this process's scratch directory. Returns ``summary`` (the worker's summary, with
-    the params.yaml text it ran with), ``outputs`` ({path: bytes}), ``runs`` (its MLflow runs) and ``error`` (the
-    stage's failure in one line, or None). A stage that raises is reported, never retried: the result carries the
-    error (and its FAILED MLflow run) instead of raising."""
+    the params.yaml text it ran with), ``outputs`` ({path: bytes}), ``runs`` (its MLflow runs), ``error`` (the
+    stage's failure in one line, or None) and ``node`` (the Ray node it ran on). A stage that raises is reported,
+    never retried: the result carries the error (and its FAILED MLflow run) instead of raising."""
     root = Path.cwd()
     _clear(root)
     (root / "params.yaml").write_text(job.params, encoding="utf-8")
@@ -114,4 +121,4 @@ def run(job: Job, *contents: bytes) -> dict:
     except Exception as e:
         error = tracking.fault_line(e) or last_line(e)
     outputs = _outputs(root, set(job.inputs)) if error is None else {}
-    return {"summary": summary, "outputs": outputs, "runs": mlflow_runs.export_runs(), "error": error}
+    return {"summary": summary, "outputs": outputs, "runs": mlflow_runs.export_runs(), "error": error, "node": _node()}

@@ -116,6 +116,26 @@ def tail(params, t) -> dict:
     return {"wall_s": 0.0}
 
 
+def by_value(params, cell) -> dict:
+    """A cell as a Ray worker runs it (pipelines/runner/remote.py): reads its instance's data/<task>/<i>/task.pt
+    if it was shipped, logs an MLflow run (two eval/gold values, an artifact), writes summary.json; instance 101
+    fails."""
+    from pipelines import tracking
+
+    data = Path(f"data/{cell.task}/{cell.instance}/task.pt")
+    with tracking.stage_run(cell.stage, params.mlflow.experiment, {"seed": cell.seed}) as (client, rid):
+        tracking.log_metrics(client, rid, [{"iteration": 0, "gold": 0.5}, {"iteration": 1, "gold": 0.75}], "eval/")
+        if cell.instance == 101:
+            raise ValueError(f"{cell.stage} broke")
+        notes = Path("notes")
+        notes.mkdir(exist_ok=True)
+        (notes / "what.txt").write_text("an artifact")
+        client.log_artifact(rid, str(notes / "what.txt"), artifact_path="notes")
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps({"read": data.read_text() if data.exists() else None}))
+    return {"final_gold": 0.0, "wall_s": 0.0}
+
+
 def slow_real(params, cell) -> dict:
     """The real cell (pipelines.ppo.run_cell) for the first FAKE_FAST cells; the others open their MLflow run and
     sleep in it for a minute, as a long PPO run would (a signal then finds a RUNNING run to mark FAILED)."""
