@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,9 +72,10 @@ class Cluster:
         )
         return self.run(code)
 
-    def task_pids(self) -> list[int]:
-        """The Ray worker processes of this cluster running a task of the runner (titled ``ray::run``)."""
-        groups, pids = {p.pid for p in self.procs.values()}, []
+    def task_pids(self, which: str | None = None) -> list[int]:
+        """The Ray worker processes of this cluster (of node ``which``, "head" or "node", if given) running a task of
+        the runner (titled ``ray::run``)."""
+        groups, pids = {p.pid for w, p in self.procs.items() if which in (None, w)}, []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 pgid = int(stat.read_text().rsplit(")", 1)[1].split()[2])
@@ -93,22 +95,26 @@ class Cluster:
     def stop(self) -> None:
         for which in list(self.procs):
             proc = self.procs.pop(which)
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
                 proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
             proc.wait()
 
 
-def start(hidden: list[Path], head: tuple[str, ...] = (), node: tuple[str, ...] = ()) -> Cluster:
+def start(
+    hidden: list[Path], head: tuple[str, ...] = (), node: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Cluster:
     """A head (this machine's view) and a second node that sees ``hidden`` (and ``code_dirs``) as empty folders;
-    ``head``/``node``: more `ray start` flags (e.g. --num-cpus, --num-gpus). Waits until both are up."""
+    ``head``/``node``: more `ray start` flags (e.g. --num-cpus, --num-gpus); ``env``: more environment for the nodes
+    (their workers inherit it). Waits until both are up."""
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's unix sockets live under it
     port = _free_port()
     env = {
         **os.environ,
+        **(env or {}),
         "PATH": f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "token",

@@ -27,7 +27,8 @@ LOCK = Path("fake.lock")
 def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[str, ...] | None = ()) -> str:
     """`python -c` source that runs pipelines.runner.cli.main with a cell function of this module (and its DVC and
     upstream stages; with real DVC, the real stages), on a machine whose visible CUDA devices are ``gpus`` (default:
-    none, CPU workers; None: what torch sees)."""
+    none, CPU workers; None: what torch sees). This module's functions are pickled by value for Ray (its nodes
+    cannot import the tests)."""
     dvc = (
         "dvccli.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
         "dvccli.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
@@ -36,9 +37,19 @@ def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[st
     visible = "" if gpus is None else f"plan.visible_gpus = lambda: {list(gpus)!r}; "
     return (
         "import sys; from pipelines.runner import cli, dvccli, plan, worker; from tests.pipelines import fakes; "
+        "fakes.by_value_for_ray(); "
         f"{dvc if fake_dvc else ''}{visible}"
         f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}, run_tail={tail}))"
     )
+
+
+def by_value_for_ray() -> None:
+    """Ray's pickler sends this module's functions by value (where Ray is installed)."""
+    try:
+        from ray import cloudpickle
+    except ImportError:
+        return
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def sleepy(params, cell) -> dict:
@@ -83,6 +94,40 @@ def placed(params, cell) -> dict:
     record = {"stage": cell.stage, "gpu": gpu, "pid": os.getpid(), "peak": peak, "together": together}
     (here / f"cell-{cell.stage}.json").write_text(json.dumps(record))
     return {"final_gold": float(cell.seed), "wall_s": 0.0}
+
+
+def on_ray(params, cell) -> dict:
+    """A cell on a Ray node: records its node, the GPU Ray gave it (CUDA_VISIBLE_DEVICES) and the most cells it saw
+    running at once on that GPU of that node (``peak``) and in all (``together``): each running cell drops a file in
+    FAKE_DIR (a folder every node sees), and stays until FAKE_TOGETHER cells are there together, every other cell of
+    its wave has come, or 60 s have passed. Writes FAKE_DIR/cell-<stage>.json and summary.json."""
+    import ray
+
+    from ablations.grid import cells
+
+    node = ray.get_runtime_context().get_node_id()
+    gpu, here = os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), Path(os.environ["FAKE_DIR"])
+    me = here / f"on-{node}-{gpu}-{os.getpid()}"
+    me.touch()
+    wave = [c for c in cells(params) if c.calibration == cell.calibration]
+    earlier = sum(c.calibration for c in cells(params)) if not cell.calibration else 0
+    peak = together = 0
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        running = len(list(here.glob("on-*")))
+        peak, together = max(peak, len(list(here.glob(f"on-{node}-{gpu}-*")))), max(together, running)
+        if together >= int(os.environ["FAKE_TOGETHER"]) or running + len(list(here.glob("cell-*"))) == earlier + len(
+            wave
+        ):
+            break
+        time.sleep(0.02)
+    time.sleep(0.2)  # still here while the others look
+    me.unlink()
+    record = {"stage": cell.stage, "node": node, "gpu": gpu, "peak": peak, "together": together}
+    (here / f"cell-{cell.stage}.json").write_text(json.dumps(record))
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps(record))
+    return {"final_gold": 0.0, "wall_s": 0.0}
 
 
 def stage(params, up) -> dict:
