@@ -75,33 +75,43 @@ class Cluster:
     def task_pids(self, which: str | None = None) -> list[int]:
         """The Ray worker processes of this cluster (of node ``which``, "head" or "node", if given) running a task of
         the runner (titled ``ray::run``)."""
-        groups, pids = {p.pid for w, p in self.procs.items() if which in (None, w)}, []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                pgid = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-                title = (stat.parent / "cmdline").read_bytes().split(b"\0")[0]
-            except (OSError, IndexError, ValueError):
-                continue
-            if pgid in groups and title.startswith(b"ray::run"):
-                pids.append(int(stat.parent.name))
-        return pids
+        sessions = {p.pid for w, p in self.procs.items() if which in (None, w)}
+        return [pid for pid, title in _processes(sessions) if title.startswith(b"ray::run")]
 
     def kill(self, which: str) -> None:
         """SIGKILL to every process of one node (a machine that goes down)."""
         proc = self.procs.pop(which)
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid, _ in _processes({proc.pid}):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
 
     def stop(self) -> None:
         for which in list(self.procs):
             proc = self.procs.pop(which)
             with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)  # `ray start --block` stops its node
             with suppress(subprocess.TimeoutExpired):
                 proc.wait(15)
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+            for pid, _ in _processes({proc.pid}):  # whatever is left of it
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
+
+
+def _processes(sessions: set[int]) -> list[tuple[int, bytes]]:
+    """(pid, title) of the processes in these sessions (each node's `ray start` leads one; its workers have process
+    groups of their own, not sessions)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            sid = int(stat.read_text().rsplit(")", 1)[1].split()[3])
+            title = (stat.parent / "cmdline").read_bytes().split(b"\0")[0]
+        except (OSError, IndexError, ValueError):
+            continue
+        if sid in sessions:
+            out.append((int(stat.parent.name), title))
+    return out
 
 
 def start(
