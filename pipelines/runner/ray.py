@@ -17,6 +17,7 @@ reach the repository only through ``result``, so a stopped or lost task leaves n
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import suppress
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from pipelines.cpu import PIN_ENV, THREADS_ENV
 from pipelines.runner import mlflow_runs
 from pipelines.runner.plan import Upstream
 from pipelines.runner.remote import Job, run
-from pipelines.runner.signals import RunnerError, StageError
+from pipelines.runner.signals import RunnerError, StageError, last_line
 
 PACKAGES = ("rlhf", "ablations", "pipelines")  # the code a node runs: py_modules of the runtime environment
 MAX_RETRIES = 3  # re-runs of a task whose worker process or node died (Ray's default for tasks)
@@ -77,6 +78,18 @@ def deliver(outputs: dict[str, bytes], folders: list[Path]) -> None:
         write_atomic(Path(rel), data)
 
 
+def check_reachable(address: str, timeout: float = 10.0) -> None:
+    """RunnerError (one line) if ``address`` is HOST:PORT and nothing listens there: ray.init would retry for
+    minutes. 'auto', 'local' and ray:// addresses are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout).close()
+    except OSError as e:
+        raise RunnerError(f"--ray-address {address}: no Ray head answers there ({e.strerror or e})", 2) from None
+
+
 class RayPool:
     """Cells and upstream stages as Ray tasks (``ray_resources`` each), by value."""
 
@@ -91,7 +104,11 @@ class RayPool:
             "env_vars": env,
             "worker_process_setup_hook": "pipelines.runner.remote.setup",
         }
-        ray.init(address=address, runtime_env=runtime_env)
+        check_reachable(address)
+        try:
+            ray.init(address=address, runtime_env=runtime_env)
+        except Exception as e:  # no cluster there, a version mismatch, a refused token: one line
+            raise RunnerError(f"--ray-address {address}: cannot connect to Ray ({last_line(e)})", 2) from None
         try:
             res = ray_resources(ray.cluster_resources().get("GPU", 0), workers_per_gpu, int(env[THREADS_ENV]))
         except RunnerError:

@@ -151,13 +151,23 @@ def stage(params, up) -> dict:
 
 
 def tail(params, t) -> dict:
-    """A stage after a wave (calibrate, analysis): appends its name and the cells of its task with outputs by then
-    to FAKE_DIR/tails, one line each."""
+    """A stage after a wave (calibrate, analysis): appends to FAKE_DIR/tails its name, the cells of its task with
+    outputs by then, and the other tails it met running (it waits up to FAKE_TAIL_WAIT seconds, default 0, to meet
+    one), one line each."""
     from ablations.grid import cells
 
+    here = Path(os.environ["FAKE_DIR"])
+    me, others = here / f"tail-{t.stage}", set()
+    me.touch()
+    deadline = time.monotonic() + float(os.environ.get("FAKE_TAIL_WAIT", "0"))
+    while time.monotonic() < deadline and not others:
+        others = {p.name.removeprefix("tail-") for p in here.glob("tail-*")} - {t.stage}
+        time.sleep(0.02)
+    time.sleep(0.1 if others else 0)  # still here while the others look
+    me.unlink()
     done = sum((c.out_dir / "summary.json").exists() for c in cells(params) if c.task == t.task)
-    with open(Path(os.environ["FAKE_DIR"]) / "tails", "a") as f:
-        f.write(f"{t.stage} after {done} cells\n")
+    with open(here / "tails", "a") as f:
+        f.write(f"{t.stage} after {done} cells{''.join(f' with {o}' for o in sorted(others))}\n")
     return {"wall_s": 0.0}
 
 

@@ -147,3 +147,18 @@ def test_a_job_runs_by_value_in_a_scratch_folder_and_its_files_and_mlflow_runs_c
     # imported again (the stage re-run): one visible run of it, as tracking.stage_run leaves
     mlflow_runs.import_runs("e2e", done["runs"], "abc123")
     assert [r.data.tags["dvc_stage"] for r in client.search_runs([exp])].count("grammar_baseline@100-0") == 1
+
+
+def test_an_address_where_no_ray_head_answers_is_refused_in_one_line_at_once():
+    import socket
+
+    from pipelines.runner.ray import check_reachable
+    from pipelines.runner.signals import RunnerError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(RunnerError, match=rf"^--ray-address 127.0.0.1:{port}: no Ray head answers there \("):
+        check_reachable(f"127.0.0.1:{port}")
+    for left_to_ray in ("auto", "local", "ray://head:10001"):
+        check_reachable(left_to_ray)

@@ -500,6 +500,42 @@ def test_the_calibration_wave_and_the_calibrate_stage_come_before_any_evaluation
     assert {c.kind for c in EVAL} == {"baseline", "design"} and all(c.kl is None for c in EVAL if c.kind == "design")
 
 
+def test_each_tasks_calibrate_and_analysis_run_in_workers_once_its_cells_are_done_both_tasks_at_once(workdir):
+    both = repo_params({t: {"instances": [100, 101, 102, 103], "calibration": {"instances": [0]}} for t in TASKS})
+    (workdir / "params.yaml").write_text(yaml.safe_dump(both, sort_keys=False))
+    grid = cells(Params.model_validate(both))
+    out = subprocess.run(
+        [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0"],
+        cwd=workdir,
+        env=env(workdir, FAKE_FAST="1000", FAKE_TAIL_WAIT="5"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    lines = (workdir / "fake/tails").read_text().splitlines()
+    per_task = {t: [c for c in grid if c.task == t] for t in TASKS}
+    for task, mine in per_task.items():
+        n_cal = sum(c.calibration for c in mine)
+        assert f"{task}_calibrate after {n_cal} cells" in {line.split(" with ")[0] for line in lines}, lines
+        assert f"{task}_analysis after {len(mine)} cells" in {line.split(" with ")[0] for line in lines}, lines
+    assert {line for line in lines if "_analysis" in line} == {  # both analyses ran at once, on the two workers
+        f"{a}_analysis after {len(per_task[a])} cells with {b}_analysis" for a, b in itertools.permutations(TASKS, 2)
+    }, lines
+    lock = committed(workdir / "fake.lock")
+    assert set(lock) == {c.stage for c in grid} | {f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")}
+    for task in TASKS:  # recorded after every cell it read
+        stages = [c.stage for c in per_task[task]]
+        assert lock.index(f"{task}_analysis") > max(lock.index(s) for s in stages)
+        cal = [c.stage for c in per_task[task] if c.calibration]
+        assert (
+            max(lock.index(s) for s in cal)
+            < lock.index(f"{task}_calibrate")
+            < min(lock.index(c.stage) for c in per_task[task] if not c.calibration)
+        )
+    assert not (workdir / "fake/repro").exists()  # no `dvc repro` at all
+
+
 def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_stops(workdir):
     out = subprocess.run(
         [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0", "--calibration-only"],
