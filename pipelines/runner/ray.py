@@ -16,6 +16,7 @@ reach the repository only through ``result``, so a stopped or lost task leaves n
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from contextlib import suppress
@@ -31,7 +32,7 @@ from pipelines.runner.plan import Upstream
 from pipelines.runner.remote import Job, run
 from pipelines.runner.signals import RunnerError, StageError, last_line
 
-PACKAGES = ("rlhf", "ablations", "pipelines")  # the code a node runs: py_modules of the runtime environment
+PACKAGES = ("rlhf", "ablations", "pipelines")  # the code a node runs (the runner's own): the runtime env's py_modules
 MAX_RETRIES = 3  # re-runs of a task whose worker process or node died (Ray's default for tasks)
 ENV = (THREADS_ENV, PIN_ENV, "TQDM_DISABLE", tracking.PARENT_ENV)  # the runner's settings that a stage reads
 
@@ -99,7 +100,7 @@ class RayPool:
         self.ray, self.experiment, self.commit = ray, experiment, tracking.git_commit()
         env = {k: os.environ[k] for k in ENV if k in os.environ}
         runtime_env = {
-            "py_modules": [str(Path(p).resolve()) for p in PACKAGES],
+            "py_modules": [importlib.util.find_spec(p).submodule_search_locations[0] for p in PACKAGES],
             "excludes": ["__pycache__", "*.pyc"],
             "env_vars": env,
             "worker_process_setup_hook": "pipelines.runner.remote.setup",

@@ -99,13 +99,15 @@ def placed(params, cell) -> dict:
 def on_ray(params, cell) -> dict:
     """A cell on a Ray node: records its node, the GPU Ray gave it (CUDA_VISIBLE_DEVICES) and the most cells it saw
     running at once on that GPU of that node (``peak``) and in all (``together``): each running cell drops a file in
-    FAKE_DIR (a folder every node sees), and stays until FAKE_TOGETHER cells are there together, every other cell of
-    its wave has come, or 60 s have passed. Writes FAKE_DIR/cell-<stage>.json and summary.json."""
+    FAKE_DIR (a folder every node sees), and stays until as many cells are there together as the cluster's GPUs hold
+    shares like its own, every other cell of its wave has come, or 60 s have passed. Writes
+    FAKE_DIR/cell-<stage>.json and summary.json."""
     import ray
 
     from ablations.grid import cells
 
-    node = ray.get_runtime_context().get_node_id()
+    node, share = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_assigned_resources()["GPU"]
+    slots = round(ray.cluster_resources()["GPU"] / share)
     gpu, here = os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), Path(os.environ["FAKE_DIR"])
     me = here / f"on-{node}-{gpu}-{os.getpid()}"
     me.touch()
@@ -116,9 +118,7 @@ def on_ray(params, cell) -> dict:
     while time.monotonic() < deadline:
         running = len(list(here.glob("on-*")))
         peak, together = max(peak, len(list(here.glob(f"on-{node}-{gpu}-*")))), max(together, running)
-        if together >= int(os.environ["FAKE_TOGETHER"]) or running + len(list(here.glob("cell-*"))) == earlier + len(
-            wave
-        ):
+        if together >= slots or running + len(list(here.glob("cell-*"))) == earlier + len(wave):
             break
         time.sleep(0.02)
     time.sleep(0.2)  # still here while the others look

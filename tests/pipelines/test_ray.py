@@ -224,7 +224,7 @@ def test_gpus_declared_on_the_nodes_are_placed_one_per_cell_or_1_over_n(gpu_clus
     for p in fake.iterdir():
         p.unlink()
     slots = 2 * 2 * per_gpu  # 2 nodes x 2 GPUs x cells per GPU
-    environ = {**env(workdir, FAKE_TOGETHER=str(slots)), "FAKE_DIR": str(fake)}
+    environ = {**env(workdir), "FAKE_DIR": str(fake)}
     environ |= {k: v for k, v in c.env.items() if k.startswith("RAY_")}
     out = subprocess.run(
         [PY, "-c", runner_script("on_ray"), "--ray-address", c.address, "--commit-every", "0", *flags],
