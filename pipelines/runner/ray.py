@@ -118,7 +118,7 @@ class RayPool:
         print(f"Ray: each cell asks for {res['num_cpus']} CPU and {res['num_gpus']:g} GPU", flush=True)
         self.remote = ray.remote(**res, max_retries=MAX_RETRIES, retry_exceptions=False)(run)
         self.objects: dict[tuple, object] = {}  # (path, size, mtime) -> its bytes in Ray's object store
-        self.items: dict = {}  # task -> its item
+        self.items: dict = {}  # a submitted task's result (ObjectRef) -> its item
 
     def _put(self, path: Path):
         st = path.stat()

@@ -40,8 +40,9 @@ def code_dirs() -> list[Path]:
     probe = "import json, pathlib, " + ", ".join(PACKAGES)
     probe += "; print(json.dumps([str(pathlib.Path(m.__file__).parent) for m in (" + ", ".join(PACKAGES) + ")]))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([PY, "-c", probe], cwd="/", env=env, capture_output=True, text=True, check=True)
-    found = {Path(p) for p in json.loads(out.stdout)} | {REPO / p for p in (*PACKAGES, "tests")}
+    out = subprocess.run([PY, "-c", probe], cwd="/", env=env, capture_output=True, text=True)
+    installed = json.loads(out.stdout) if out.returncode == 0 else []  # none: not installed outside this checkout
+    found = {Path(p) for p in installed} | {REPO / p for p in (*PACKAGES, "tests")}
     return sorted(p for p in found if p.is_dir())
 
 

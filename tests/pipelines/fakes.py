@@ -130,6 +130,20 @@ def on_ray(params, cell) -> dict:
     return {"final_gold": 0.0, "wall_s": 0.0}
 
 
+RAISES_ON_RAY = "grammar_calibration_baseline@0-0"  # the cell ``raises_on_ray`` fails
+
+
+def raises_on_ray(params, cell) -> dict:
+    """A cell on a Ray node that drops FAKE_DIR/attempt-<stage>-<pid> each time it starts; RAISES_ON_RAY raises,
+    the others write summary.json."""
+    (Path(os.environ["FAKE_DIR"]) / f"attempt-{cell.stage}-{os.getpid()}").touch()
+    if cell.stage == RAISES_ON_RAY:
+        raise ValueError(f"{cell.stage} broke")
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps({"stage": cell.stage}))
+    return {"final_gold": 0.0, "wall_s": 0.0}
+
+
 def stage(params, up) -> dict:
     """An upstream stage: writes FAKE_DIR/stage-<name>.json with its start and end times and the stages of other
     chains it saw running (each running stage drops a file; a stage waits up to 5 s to meet another one); fails if

@@ -25,7 +25,7 @@ import yaml
 from pipelines.runner import lockfile
 from tests.conftest import repo_params
 from tests.pipelines import cluster as ray_cluster
-from tests.pipelines.fakes import committed, env, runner_script
+from tests.pipelines.fakes import RAISES_ON_RAY, committed, env, runner_script
 from tests.pipelines.procs import wait_for
 from tests.pipelines.tiny import ALL_CELLS, TINY, cell_stages, make_repo, stage_env, visible_runs
 
@@ -247,3 +247,24 @@ def test_gpus_declared_on_the_nodes_are_placed_one_per_cell_or_1_over_n(gpu_clus
         kind, key = stage.split("@")
         summary = json.loads((workdir / f"runs/grammar/{kind.removeprefix('grammar_')}/{key}/summary.json").read_text())
         assert summary["stage"] == stage
+
+
+def test_a_cell_that_raises_on_a_node_is_reported_in_one_line_and_not_retried(gpu_cluster, workdir):
+    c, fake = gpu_cluster
+    for p in fake.iterdir():
+        p.unlink()
+    environ = {**env(workdir), "FAKE_DIR": str(fake), **{k: v for k, v in c.env.items() if k.startswith("RAY_")}}
+    out = subprocess.run(
+        [PY, "-c", runner_script("raises_on_ray"), "--ray-address", c.address, "--commit-every", "0"],
+        cwd=workdir,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"] FAILED {RAISES_ON_RAY}: ValueError: {RAISES_ON_RAY} broke\n" in out.stdout, out.stdout
+    assert out.stderr.splitlines()[-1].startswith(f"error: 1 stages failed: {RAISES_ON_RAY}; fix and re-run")
+    attempts = Counter(p.name.removeprefix("attempt-").rsplit("-", 1)[0] for p in fake.glob("attempt-*"))
+    assert attempts[RAISES_ON_RAY] == 1 and len(attempts) == 7, attempts  # not retried; the other cells ran
+    assert set(committed(workdir / "fake.lock")) == {s for s in attempts if s != RAISES_ON_RAY}  # and are kept
