@@ -1,5 +1,5 @@
-"""The runner's command line and its waves: upstream chains, calibration cells, the calibrate stages, evaluation
-cells, the analysis (pipelines.runner's docstring tells the whole story)."""
+"""The runner's command line and its waves: upstream chains, calibration cells and the calibrate stages, evaluation
+cells and the analyses (pipelines.runner's docstring tells the whole story)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,23 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ablations.config import Params, ParamsError, load_params
-from ablations.grid import Cell, calibrate_stages, calibration_cells, evaluation_cells, upstream_chains
+from ablations.grid import Cell, calibration_cells, evaluation_cells, upstream_chains
 from pipelines import runner, tracking
 from pipelines.cpu import THREADS_ENV
 from pipelines.runner import mlflow_runs, plan
-from pipelines.runner.dvccli import check_interpreter, dvc, stage_env
+from pipelines.runner.dvccli import check_interpreter, stage_env
 from pipelines.runner.local import LocalPool
 from pipelines.runner.ray import RayPool
 from pipelines.runner.record import Recorder, check_stale
 from pipelines.runner.repo import prepare, runner_lock
 from pipelines.runner.signals import POLL_S, Interrupted, RunnerError, Signals, last_line
-from pipelines.runner.worker import RAN_WITH, ppo_cell, upstream_stage
+from pipelines.runner.worker import RAN_WITH, ppo_cell, tail_stage, upstream_stage
 
 
 def _progress(i: int, n: int, job: plan.Job, s: dict, elapsed: float) -> str:
@@ -38,36 +39,72 @@ def _progress(i: int, n: int, job: plan.Job, s: dict, elapsed: float) -> str:
     return f"[{i}/{n}] {job.stage}: {values}{' ' if values else ''}({s.get('wall_s', 0):.0f}s, {elapsed:.0f}s elapsed)"
 
 
-def run_cells(todo: list[plan.Job], backend, recorder: Recorder, sig: Signals, run_cell, experiment: str) -> list[str]:
+def _task(work) -> str:
+    return getattr(work, "task", None) or work.cells[0].task  # a cell or a Tail; a population's cells share it
+
+
+def _ready(pending: dict, timeout: float) -> set:
+    """The finished handles of ``pending`` (handle -> Job), waiting on each job's backend in turn."""
+    backends: dict[int, tuple] = {}
+    for handle, job in pending.items():
+        backends.setdefault(id(job.backend), (job.backend, set()))[1].add(handle)
+    return {h for b, handles in backends.values() for h in b.wait(handles, timeout / len(backends))}
+
+
+def run_cells(
+    todo: list[plan.Job], backend, recorder: Recorder, sig: Signals, run_cell, experiment: str, tails=()
+) -> list[str]:
     """Runs ``todo`` (jobs: cells, populations of cells, or upstream stages, whose ``then`` is queued when they
-    finish) on ``backend``, recording each job's ``records`` as it finishes; returns the failed stages. On a signal
-    (or an error of the runner itself) stops the workers, marks the unfinished stages' MLflow runs FAILED and records
-    every finished one before raising."""
+    finish) on ``backend`` with ``run_cell``, and each of ``tails`` (jobs of plan.Tail stages, with their own
+    function and backend) once every job of its task has finished; records each job's ``records`` as it finishes;
+    returns the failed stages (a task with a failed job does not run its tail). On a signal (or an error of the
+    runner itself) stops the workers, marks the unfinished stages' MLflow runs FAILED and records every finished one
+    before raising."""
     root, start, what = str(Path.cwd()), time.perf_counter(), recorder.what
-    pending = {backend.submit(root, job.work, run_cell): job for job in todo}
-    n, done = sum(job.chain for job in todo), 0
+    waiting = {job.work.task: job for job in tails}
+    counted = lambda job: not isinstance(job.work, plan.Tail | plan.Upstream)  # what a task's tail waits for
+    left = Counter(_task(job.work) for job in todo if counted(job))
+    pending: dict = {}
+
+    def submit(job: plan.Job) -> None:
+        job = replace(job, fn=job.fn or run_cell, backend=job.backend or backend)
+        pending[job.backend.submit(root, job.work, job.fn)] = job
+
+    def release() -> None:  # the tails whose task has nothing left to run
+        for task in [t for t in waiting if not left[t]]:
+            submit(waiting.pop(task))
+
+    for job in todo:
+        submit(job)
+    release()
+    n, done = sum(job.chain for job in todo) + len(tails), 0
     failed: list[str] = []
     try:
         while pending and not sig.signum:
-            for handle in backend.wait(set(pending), POLL_S):
+            for handle in _ready(pending, POLL_S):
                 job, done = pending.pop(handle), done + 1
                 try:
-                    s = backend.result(handle)
+                    s = job.backend.result(handle)
                 except Exception as e:  # report and go on: the other cells are still worth having
                     failed.append(job.stage)
                     print(f"[{done}/{n}] FAILED {job.stage}: {tracking.fault_line(e) or last_line(e)}", flush=True)
+                    if counted(job) and waiting.pop(_task(job.work), None):
+                        print(f"not run: {_task(job.work)}'s stage after its cells ({job.stage} failed)", flush=True)
                     continue
                 print(_progress(done, n, job, s, time.perf_counter() - start), flush=True)
                 for member in job.records:
                     recorder.add(member, s.get(RAN_WITH))
                 if job.then is not None and (s.get(RAN_WITH) or {}).get("params") is not None:
-                    after = plan.upstream_job(job.then)
-                    pending[backend.submit(root, after.work, run_cell)] = after
+                    submit(replace(plan.upstream_job(job.then), fn=job.fn, backend=job.backend))
+                if counted(job):
+                    left[_task(job.work)] -= 1
+                    release()
             recorder.poll()
     finally:
         if pending:
             print(f"stopping {len(pending)} unfinished {what}; recording the finished ones ...", flush=True)
-            backend.stop(list(pending))
+            for b in {id(j.backend): j.backend for j in pending.values()}.values():
+                b.stop([h for h, j in pending.items() if j.backend is b])
         recorder.finish()
         if pending:
             stopped = {m.stage for job in pending.values() for m in job.records}
@@ -81,7 +118,9 @@ def run_cells(todo: list[plan.Job], backend, recorder: Recorder, sig: Signals, r
 
 @dataclass
 class Sweep:
-    """One invocation's waves on one set of workers (started at the first wave with work: Ray connects at once)."""
+    """One invocation's waves on one set of workers (started at the first wave with work: Ray connects at once).
+    On Ray the stages after a wave (calibrate, analysis), which read the repository's git history, run in local
+    workers on the runner's machine, one per task at most."""
 
     args: argparse.Namespace
     sig: Signals
@@ -91,16 +130,27 @@ class Sweep:
     slots: list[str] | None
     run_cell: Callable
     run_stage: Callable
-    pool: list = field(default_factory=list)
+    run_tail: Callable = tail_stage
+    pool: dict = field(default_factory=dict)
 
     def backend(self):
-        if not self.pool:
+        if "cells" not in self.pool:
             ray = self.args.ray_address
-            self.pool.append(RayPool(ray, self.args.workers_per_gpu) if ray else LocalPool(self.workers, self.slots))
-        return self.pool[0]
+            if ray:
+                self.pool["cells"] = RayPool(ray, self.args.workers_per_gpu, self.params.mlflow.experiment)
+            else:
+                self.pool["cells"] = self.pool["tails"] = LocalPool(self.workers, self.slots)
+        return self.pool["cells"]
+
+    def tail_backend(self):
+        if "tails" not in self.pool:
+            self.backend()
+        if "tails" not in self.pool:
+            self.pool["tails"] = LocalPool(min(len(self.params.tasks()), os.cpu_count() or 1))
+        return self.pool["tails"]
 
     def close(self) -> None:
-        for b in self.pool:
+        for b in {id(b): b for b in self.pool.values()}.values():
             b.close()
 
     def upstream(self) -> None:
@@ -117,13 +167,17 @@ class Sweep:
             raise RunnerError(f"upstream stage failed: {', '.join(failed)}; its message is above; no cell ran")
         check_stale(recorder)
 
-    def wave(self, grid: list[Cell], what: str) -> None:
-        """Runs the stale cells of ``grid`` on the workers, recording them as they finish; RunnerError if any
-        failed."""
-        todo = plan.stale_cells(grid, self.env, self.sig)
+    def wave(self, grid: list[Cell], what: str, tail: str | None = None) -> None:
+        """Runs the stale cells of ``grid`` on the workers, then each task's ``tail`` stage (plan.stale_tails) as soon
+        as its cells have finished, recording them as they finish; RunnerError if any failed."""
+        stale = plan.status(self.env, self.sig)
+        todo = [c for c in grid if c.stage in stale]
+        tails = plan.stale_tails(tail, self.params.tasks(), stale, todo) if tail else []
         where = plan.where(self.workers, self.slots, self.args.ray_address)
         print(f"{len(todo)} of {len(grid)} {what} to run on {where}", flush=True)
-        if not todo:
+        if tails:
+            print(f"then, each once its task's cells have finished: {', '.join(t.stage for t in tails)}", flush=True)
+        if not todo and not tails:
             return
         run_cell, jobs = self.run_cell, plan.cell_jobs(todo)
         if self.args.population:  # groups of cells, each group one batched computation in a worker
@@ -132,23 +186,24 @@ class Sweep:
             items = population.plan(self.params, todo, self.args.population)
             jobs = [plan.Job(x, x.cells if isinstance(x, population.Group) else (x,)) for x in items]
             run_cell = population.executor(run_cell)
+        backend = self.backend()
+        tail_jobs = [plan.Job(t, (t,), fn=self.run_tail, backend=self.tail_backend()) for t in tails]
         recorder = Recorder(self.env, self.args.commit_every)
-        failed = run_cells(jobs, self.backend(), recorder, self.sig, run_cell, self.params.mlflow.experiment)
+        failed = run_cells(jobs, backend, recorder, self.sig, run_cell, self.params.mlflow.experiment, tail_jobs)
         if failed:
             n, names = len(failed), ", ".join(failed)
-            raise RunnerError(f"{n} cells failed: {names}; fix and re-run (finished cells are kept)")
+            raise RunnerError(f"{n} stages failed: {names}; fix and re-run (finished ones are kept)")
         check_stale(recorder)
 
     def cells(self) -> None:
-        """Upstream, calibration cells, the calibrate stages (the protocol is fixed on the calibration cells before
-        any evaluation cell runs; dvc.yaml's DAG too), evaluation cells."""
+        """Upstream, calibration cells and the calibrate stages (the protocol is fixed on the calibration cells before
+        any evaluation cell runs; dvc.yaml's DAG too), evaluation cells and the analyses."""
         self.upstream()
-        self.wave(calibration_cells(self.params), "calibration cells")
-        dvc(["repro", *calibrate_stages(self.params)], self.env, self.sig)
+        self.wave(calibration_cells(self.params), "calibration cells", "calibrate")
         if self.args.calibration_only:
             print("calibration done: protocol/<task>.json written; commit it before the evaluation", flush=True)
             return
-        self.wave(evaluation_cells(self.params), "grid cells")
+        self.wave(evaluation_cells(self.params), "grid cells", None if self.args.no_analysis else "analysis")
 
 
 def load(args: argparse.Namespace) -> Params:
@@ -160,7 +215,9 @@ def load(args: argparse.Namespace) -> Params:
         raise RunnerError(str(e), 2) from None
 
 
-def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=upstream_stage) -> None:
+def run(
+    args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=upstream_stage, run_tail=tail_stage
+) -> None:
     start, params = time.perf_counter(), load(args)
     workers, slots = plan.placement(args, [] if args.ray_address else plan.visible_gpus())
     env = stage_env()
@@ -172,21 +229,20 @@ def run(args: argparse.Namespace, sig: Signals, run_cell=ppo_cell, run_stage=ups
         os.environ.setdefault(THREADS_ENV, "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
         with mlflow_runs.sweep(params.mlflow.experiment, env):
-            sweep = Sweep(args, sig, params, env, workers, slots, run_cell, run_stage)
+            sweep = Sweep(args, sig, params, env, workers, slots, run_cell, run_stage, run_tail)
             try:
                 sweep.cells()
             finally:
                 sweep.close()
             if args.calibration_only:
                 return
-            if not args.no_analysis:  # the running tasks' analyses (a task with no instances has none to run)
-                dvc(["repro", *(f"{task}_analysis" for task in params.tasks())], env, sig)
     print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
 
 
-def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_stage) -> int:
+def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_stage, run_tail=tail_stage) -> int:
     """The command line; ``run_cell(params, cell) -> summary`` runs one cell in a worker, ``run_stage(params,
-    upstream) -> summary`` one upstream stage (tests swap them)."""
+    upstream) -> summary`` one upstream stage, ``run_tail(params, tail) -> summary`` one stage after a wave (tests
+    swap them)."""
     ap = argparse.ArgumentParser(description=runner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, help="local processes (default: cores; with CUDA: one per GPU)")
     ap.add_argument("--gpus", help="GPUs for local workers, e.g. 0,1 (default with CUDA: every visible GPU)")
@@ -205,7 +261,7 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     args = ap.parse_args(argv)
     try:
         with Signals() as sig:
-            run(args, sig, run_cell, run_stage)
+            run(args, sig, run_cell, run_stage, run_tail)
     except Interrupted as e:
         print(f"stopped by {e}", file=sys.stderr, flush=True)
         return e.code

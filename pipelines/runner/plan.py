@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ablations.grid import Cell
@@ -13,11 +14,38 @@ from pipelines.runner.dvccli import dvc
 from pipelines.runner.signals import RunnerError, Signals
 
 
+def status(env: dict[str, str], sig: Signals) -> dict:
+    """The stages that are changed or have never run, per `dvc status --json` (asking for the whole pipeline at once
+    is ~10x faster than naming 100 stages, which DVC collects one by one)."""
+    return json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
+
+
 def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cell]:
-    """Grid cells whose DVC stage is changed or has never run (per `dvc status --json`; asking for the whole
-    pipeline at once is ~10x faster than naming 100 stages, which DVC collects one by one)."""
-    status = json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
-    return [c for c in grid if c.stage in status]
+    """Grid cells whose DVC stage is changed or has never run (``status``)."""
+    stale = status(env, sig)
+    return [c for c in grid if c.stage in stale]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A stage that follows a wave of cells, one per task: ``<task>_calibrate`` after the calibration cells,
+    ``<task>_analysis`` after the evaluation cells (dvc.yaml's ``python -m pipelines.<kind> <task>``). It runs in a
+    worker as soon as every cell of its task in the wave has finished."""
+
+    task: str
+    kind: str  # "calibrate" or "analysis"
+
+    @property
+    def stage(self) -> str:
+        return f"{self.task}_{self.kind}"
+
+
+def stale_tails(kind: str, tasks, stale: dict, todo: list) -> list[Tail]:
+    """The ``kind`` stages of ``tasks`` to run after a wave: each one `dvc status` calls ``stale`` now, or whose task
+    has a cell to run (``todo``) in the wave; once a stage reruns, every stage after it must (as ``stale_chains``),
+    so no second `dvc status` is needed when the wave ends."""
+    ran = {c.task for item in todo for c in getattr(item, "cells", (item,))}
+    return [Tail(task, kind) for task in tasks if f"{task}_{kind}" in stale or task in ran]
 
 
 @dataclass(frozen=True)
@@ -34,14 +62,17 @@ class Upstream:
 
 @dataclass(frozen=True)
 class Job:
-    """One submission to a worker: ``work`` is what the worker runs (a Cell, a population's Group of cells, or an
-    Upstream stage), ``records`` the stages dvc.lock records when it finishes, ``then`` the Upstream stage that runs
-    after it (the rest of its chain; ``chain`` counts it and those after it, for the progress count)."""
+    """One submission to a worker: ``work`` is what the worker runs (a Cell, a population's Group of cells, an
+    Upstream stage or a Tail), ``records`` the stages dvc.lock records when it finishes, ``then`` the Upstream stage
+    that runs after it (the rest of its chain; ``chain`` counts it and those after it, for the progress count);
+    ``fn`` and ``backend`` when it runs otherwise than its wave's cells (a Tail: in a local worker)."""
 
     work: object
     records: tuple
     then: Upstream | None = None
     chain: int = 1
+    fn: Callable | None = None  # what the worker runs it with (None: the wave's function)
+    backend: object | None = None  # where it runs (None: the wave's backend)
 
     @property
     def stage(self) -> str:

@@ -16,6 +16,10 @@ class RunnerError(Exception):
         self.code = code
 
 
+class StageError(RuntimeError):
+    """A stage's failure already worded as one line (e.g. by the Ray worker that ran it): shown as it is."""
+
+
 class Interrupted(RunnerError):
     def __init__(self, signum: int, message: str):
         super().__init__(f"{signal.Signals(signum).name}: {message}", EXIT[signum])
@@ -46,8 +50,9 @@ class Signals:
 
 
 def last_line(x) -> str:
-    """The last non-empty line of a process's output or an exception's message (with its type)."""
+    """The last non-empty line of a process's output or an exception's message (with its type, but for a
+    StageError, whose message is the line)."""
     text = getattr(x, "stderr", None) or str(x)
     lines = [s.strip() for s in str(text).strip().splitlines() if s.strip()]
     last = lines[-1] if lines else "no message"
-    return f"{type(x).__name__}: {last}" if isinstance(x, BaseException) else last
+    return f"{type(x).__name__}: {last}" if isinstance(x, BaseException) and not isinstance(x, StageError) else last

@@ -1,26 +1,32 @@
-"""What runs in a worker process, local (pipelines.runner.local) or Ray (pipelines.runner.ray): one cell or one
-upstream stage, with what it ran with (the params.yaml text and the protocol files it read)."""
+"""What runs in a worker process, local (pipelines.runner.local) or Ray (pipelines.runner.ray): one cell, one
+upstream stage or one stage after a wave (calibrate, analysis: local workers only), with what it ran with (the
+params.yaml text and the protocol files it read)."""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import runpy
+import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+import yaml
 from tqdm import tqdm
 
 from ablations.config import PARAMS_FILE, load_params
 from ablations.grid import PROTOCOL_DIR, Cell, find_cell
 from pipelines.runner import mlflow_runs
-from pipelines.runner.plan import Upstream
+from pipelines.runner.plan import Tail, Upstream
 from pipelines.runner.signals import EXIT
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DVC_YAML = Path("dvc.yaml")
 
 
 def _exit_on_term(signum, frame) -> None:
@@ -127,4 +133,39 @@ def upstream_stage(params, up: Upstream) -> dict:
         upstream_mains()[kind]([task, instance])
     except SystemExit as e:  # a stage's one-line refusal
         raise RuntimeError(str(e)) from None
+    return {"wall_s": time.perf_counter() - start}
+
+
+def _declared(stage: str) -> tuple[list[str], list[Path]]:
+    """(argv, outputs) of dvc.yaml's plain stage ``stage``: its ``cmd`` (``python -m MODULE ARGS...``) and every path
+    it declares as an out, metric or plot."""
+    spec = yaml.safe_load(DVC_YAML.read_text(encoding="utf-8"))["stages"][stage]
+    argv = shlex.split(spec["cmd"])
+    if argv[:2] != ["python", "-m"]:
+        raise RuntimeError(f"{stage}: its dvc.yaml command is not `python -m MODULE ...` ({spec['cmd']!r})")
+    entries = [e for key in ("outs", "metrics", "plots") for e in spec.get(key, [])]
+    return argv[2:], [Path(next(iter(e)) if isinstance(e, dict) else e) for e in entries]
+
+
+def tail_stage(params, tail: Tail) -> dict:
+    """Runs ``<task>_calibrate`` or ``<task>_analysis`` in this worker as `dvc repro` runs it: its declared outputs
+    removed first (DVC's ``Stage.remove_outs``: no file of an earlier run outlives this one), then its dvc.yaml
+    command, ``python -m MODULE ARGS`` as ``runpy`` runs it (its ``__main__`` block included: a refusal is its one
+    line). The stage writes its outputs atomically; the runner records it in dvc.lock like a cell."""
+    argv, outs = _declared(tail.stage)
+    for path in outs:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    mlflow_runs.ready(params.mlflow.experiment)
+    start, saved = time.perf_counter(), sys.argv
+    sys.argv = list(argv)  # runpy sets argv[0] to the module's file, as `python -m` does
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(str(e.code)) from None
+    finally:
+        sys.argv = saved
     return {"wall_s": time.perf_counter() - start}

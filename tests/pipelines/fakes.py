@@ -2,12 +2,13 @@
 rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an interrupted commit leaves it cut).
 
     python -m tests.pipelines.fakes dvc status --json   # every cell of ./params.yaml (calibration too) is stale
-    python -m tests.pipelines.fakes dvc repro ...       # does nothing (the calibrate stages and the analysis)
+    python -m tests.pipelines.fakes dvc repro ...       # does nothing
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`; `dvc repro` appends its
-arguments to FAKE_DIR/repro, one call a line), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the
-calibration cells come first -- take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER
+arguments to FAKE_DIR/repro, one call a line; ``tail`` its stage to FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST
+cells of ablations.grid.cells -- the calibration cells come first -- take 0.05 s, the others a minute),
+FAKE_COMMIT_S (default 0), FAKE_TOGETHER
 (``placed``), FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none),
 FAKE_FAIL (the upstream stage that fails).
 """
@@ -26,18 +27,29 @@ LOCK = Path("fake.lock")
 def runner_script(cell_fn: str = "sleepy", fake_dvc: bool = True, gpus: tuple[str, ...] | None = ()) -> str:
     """`python -c` source that runs pipelines.runner.cli.main with a cell function of this module (and its DVC and
     upstream stages; with real DVC, the real stages), on a machine whose visible CUDA devices are ``gpus`` (default:
-    none, CPU workers; None: what torch sees)."""
+    none, CPU workers; None: what torch sees). This module's functions are pickled by value for Ray (its nodes
+    cannot import the tests)."""
     dvc = (
         "dvccli.DVC = [sys.executable, '-m', 'tests.pipelines.fakes', 'dvc']; "
         "dvccli.COMMIT = [sys.executable, '-m', 'tests.pipelines.fakes', 'commit']; "
     )
-    stage = "fakes.stage" if fake_dvc else "worker.upstream_stage"
+    stage, tail = ("fakes.stage", "fakes.tail") if fake_dvc else ("worker.upstream_stage", "worker.tail_stage")
     visible = "" if gpus is None else f"plan.visible_gpus = lambda: {list(gpus)!r}; "
     return (
         "import sys; from pipelines.runner import cli, dvccli, plan, worker; from tests.pipelines import fakes; "
+        "fakes.by_value_for_ray(); "
         f"{dvc if fake_dvc else ''}{visible}"
-        f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}))"
+        f"sys.exit(cli.main(sys.argv[1:], run_cell=fakes.{cell_fn}, run_stage={stage}, run_tail={tail}))"
     )
+
+
+def by_value_for_ray() -> None:
+    """Ray's pickler sends this module's functions by value (where Ray is installed)."""
+    try:
+        from ray import cloudpickle
+    except ImportError:
+        return
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def sleepy(params, cell) -> dict:
@@ -84,6 +96,54 @@ def placed(params, cell) -> dict:
     return {"final_gold": float(cell.seed), "wall_s": 0.0}
 
 
+def on_ray(params, cell) -> dict:
+    """A cell on a Ray node: records its node, the GPU Ray gave it (CUDA_VISIBLE_DEVICES) and the most cells it saw
+    running at once on that GPU of that node (``peak``) and in all (``together``): each running cell drops a file in
+    FAKE_DIR (a folder every node sees), and stays until as many cells are there together as the cluster's GPUs hold
+    shares like its own, every other cell of its wave has come, or 60 s have passed. Writes
+    FAKE_DIR/cell-<stage>.json and summary.json."""
+    import ray
+
+    from ablations.grid import cells
+
+    node, share = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_assigned_resources()["GPU"]
+    slots = round(ray.cluster_resources()["GPU"] / share)
+    gpu, here = os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), Path(os.environ["FAKE_DIR"])
+    me = here / f"on-{node}-{gpu}-{os.getpid()}"
+    me.touch()
+    wave = [c for c in cells(params) if c.calibration == cell.calibration]
+    earlier = sum(c.calibration for c in cells(params)) if not cell.calibration else 0
+    peak = together = 0
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        running = len(list(here.glob("on-*")))
+        peak, together = max(peak, len(list(here.glob(f"on-{node}-{gpu}-*")))), max(together, running)
+        if together >= slots or running + len(list(here.glob("cell-*"))) == earlier + len(wave):
+            break
+        time.sleep(0.02)
+    time.sleep(0.2)  # still here while the others look
+    me.unlink()
+    record = {"stage": cell.stage, "node": node, "gpu": gpu, "peak": peak, "together": together}
+    (here / f"cell-{cell.stage}.json").write_text(json.dumps(record))
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps(record))
+    return {"final_gold": 0.0, "wall_s": 0.0}
+
+
+RAISES_ON_RAY = "grammar_calibration_baseline@0-0"  # the cell ``raises_on_ray`` fails
+
+
+def raises_on_ray(params, cell) -> dict:
+    """A cell on a Ray node that drops FAKE_DIR/attempt-<stage>-<pid> each time it starts; RAISES_ON_RAY raises,
+    the others write summary.json."""
+    (Path(os.environ["FAKE_DIR"]) / f"attempt-{cell.stage}-{os.getpid()}").touch()
+    if cell.stage == RAISES_ON_RAY:
+        raise ValueError(f"{cell.stage} broke")
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps({"stage": cell.stage}))
+    return {"final_gold": 0.0, "wall_s": 0.0}
+
+
 def stage(params, up) -> dict:
     """An upstream stage: writes FAKE_DIR/stage-<name>.json with its start and end times and the stages of other
     chains it saw running (each running stage drops a file; a stage waits up to 5 s to meet another one); fails if
@@ -102,6 +162,47 @@ def stage(params, up) -> dict:
     record = {"start": start, "end": time.time(), "others": sorted(others)}
     (here / f"stage-{up.stage}.json").write_text(json.dumps(record))
     return {"wall_s": 0.0}
+
+
+def tail(params, t) -> dict:
+    """A stage after a wave (calibrate, analysis): appends to FAKE_DIR/tails its name, the cells of its task with
+    outputs by then, and the other tails it met running (it waits up to FAKE_TAIL_WAIT seconds, default 0, to meet
+    one), one line each."""
+    from ablations.grid import cells
+
+    here = Path(os.environ["FAKE_DIR"])
+    me, others = here / f"tail-{t.stage}", set()
+    me.touch()
+    deadline = time.monotonic() + float(os.environ.get("FAKE_TAIL_WAIT", "0"))
+    while time.monotonic() < deadline and not others:
+        others = {p.name.removeprefix("tail-") for p in here.glob("tail-*")} - {t.stage}
+        time.sleep(0.02)
+    time.sleep(0.1 if others else 0)  # still here while the others look
+    me.unlink()
+    done = sum((c.out_dir / "summary.json").exists() for c in cells(params) if c.task == t.task)
+    with open(here / "tails", "a") as f:
+        f.write(f"{t.stage} after {done} cells{''.join(f' with {o}' for o in sorted(others))}\n")
+    return {"wall_s": 0.0}
+
+
+def by_value(params, cell) -> dict:
+    """A cell as a Ray worker runs it (pipelines/runner/remote.py): reads its instance's data/<task>/<i>/task.pt
+    if it was shipped, logs an MLflow run (two eval/gold values, an artifact), writes summary.json; instance 101
+    fails."""
+    from pipelines import tracking
+
+    data = Path(f"data/{cell.task}/{cell.instance}/task.pt")
+    with tracking.stage_run(cell.stage, params.mlflow.experiment, {"seed": cell.seed}) as (client, rid):
+        tracking.log_metrics(client, rid, [{"iteration": 0, "gold": 0.5}, {"iteration": 1, "gold": 0.75}], "eval/")
+        if cell.instance == 101:
+            raise ValueError(f"{cell.stage} broke")
+        notes = Path("notes")
+        notes.mkdir(exist_ok=True)
+        (notes / "what.txt").write_text("an artifact")
+        client.log_artifact(rid, str(notes / "what.txt"), artifact_path="notes")
+    cell.out_dir.mkdir(parents=True)
+    (cell.out_dir / "summary.json").write_text(json.dumps({"read": data.read_text() if data.exists() else None}))
+    return {"final_gold": 0.0, "wall_s": 0.0}
 
 
 def slow_real(params, cell) -> dict:

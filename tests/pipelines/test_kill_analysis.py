@@ -1,6 +1,6 @@
 """SIGKILL of the runner's process group during the final analysis (issue 20, item 4), for real on the tiny grid of
-test_e2e: DVC and the analysis die with the runner, and the next start removes the analysis's temporary directory
-and marks its MLflow run FAILED. Slow (a few minutes): run with `make test-all`.
+test_e2e: the runner's workers (the analysis runs in one) die with it, and the next start removes the analysis's
+temporary directory and marks its MLflow run FAILED. Slow (a few minutes): run with `make test-all`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from tests.pipelines.tiny import sh, stage_env, visible_runs
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-WORDS = (b"pipelines.analysis", b"pipelines.runner.lockfile\0dvc")
+WORDS = (b"pipelines.analysis", b"pipelines.runner.lockfile\0dvc", b"multiprocessing")
 
 
 def survivors(root: Path) -> list[int]:
-    """Processes working in ``root`` that run the analysis or the runner's DVC."""
+    """Processes working in ``root`` that run the analysis, the runner's DVC or its workers (the analysis runs in
+    one)."""
     pids = []
     for p in Path("/proc").iterdir():
         try:

@@ -447,7 +447,7 @@ def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cell
     n = len(stale)
     assert set(lock[:n]) == set(stale)
     assert set(lock[n : n + len(CAL)]) == {c.stage for c in CAL}  # the calibration wave, then the evaluation
-    assert set(lock[n + len(CAL) :]) == {c.stage for c in EVAL}
+    assert lock[n + len(CAL)] == "grammar_calibrate" and set(lock[n + len(CAL) + 1 :]) == {c.stage for c in EVAL}
     assert "3 upstream chains to build: grammar_calibration_data@0, grammar_data@10, grammar_data@11" in out.stdout
 
 
@@ -469,7 +469,7 @@ def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
     out = run_upstream(workdir, [])
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert not stage_records(workdir) and "upstream" not in out.stdout
-    assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID}
+    assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID} | {"grammar_calibrate"}
 
 
 def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(workdir):
@@ -504,13 +504,52 @@ def test_the_calibration_wave_and_the_calibrate_stage_come_before_any_evaluation
     eval_line = f"{len(EVAL)} of {len(EVAL)} grid cells to run on 2 local workers\n"
     assert cal_line in out.stdout and eval_line in out.stdout, out.stdout
     assert out.stdout.index(cal_line) < out.stdout.index(eval_line)
-    # every calibration cell is recorded before any evaluation cell ran
+    # every calibration cell, then grammar_calibrate (in a worker, once they had all finished), is recorded before
+    # any evaluation cell ran; with --no-analysis no analysis, and no `dvc repro` at all
     lock = committed(workdir / "fake.lock")
-    assert set(lock[: len(CAL)]) == {c.stage for c in CAL} and set(lock[len(CAL) :]) == {c.stage for c in EVAL}
-    # `dvc repro grammar_calibrate` once, between the waves; with --no-analysis no plain `dvc repro`
-    assert (workdir / "fake/repro").read_text() == "grammar_calibrate\n"
+    assert set(lock[: len(CAL)]) == {c.stage for c in CAL} and lock[len(CAL)] == "grammar_calibrate"
+    assert set(lock[len(CAL) + 1 :]) == {c.stage for c in EVAL}
+    assert (workdir / "fake/tails").read_text() == f"grammar_calibrate after {len(CAL)} cells\n"
+    assert not (workdir / "fake/repro").exists()
+    assert "then, each once its task's cells have finished: grammar_calibrate\n" in out.stdout
     assert all(c.calibration for c in CAL) and not any(c.calibration for c in EVAL)
     assert {c.kind for c in EVAL} == {"baseline", "design"} and all(c.kl is None for c in EVAL if c.kind == "design")
+
+
+def test_each_tasks_calibrate_and_analysis_run_in_workers_once_its_cells_are_done_both_tasks_at_once(workdir):
+    both = repo_params({t: {"instances": [100, 101, 102, 103], "calibration": {"instances": [0]}} for t in TASKS})
+    (workdir / "params.yaml").write_text(yaml.safe_dump(both, sort_keys=False))
+    grid = cells(Params.model_validate(both))
+    out = subprocess.run(
+        [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0"],
+        cwd=workdir,
+        env=env(workdir, FAKE_FAST="1000", FAKE_TAIL_WAIT="5"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    lines = (workdir / "fake/tails").read_text().splitlines()
+    per_task = {t: [c for c in grid if c.task == t] for t in TASKS}
+    for task, mine in per_task.items():
+        n_cal = sum(c.calibration for c in mine)
+        assert f"{task}_calibrate after {n_cal} cells" in {line.split(" with ")[0] for line in lines}, lines
+        assert f"{task}_analysis after {len(mine)} cells" in {line.split(" with ")[0] for line in lines}, lines
+    assert {line for line in lines if "_analysis" in line} == {  # both analyses ran at once, on the two workers
+        f"{a}_analysis after {len(per_task[a])} cells with {b}_analysis" for a, b in itertools.permutations(TASKS, 2)
+    }, lines
+    lock = committed(workdir / "fake.lock")
+    assert set(lock) == {c.stage for c in grid} | {f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")}
+    for task in TASKS:  # recorded after every cell it read
+        stages = [c.stage for c in per_task[task]]
+        assert lock.index(f"{task}_analysis") > max(lock.index(s) for s in stages)
+        cal = [c.stage for c in per_task[task] if c.calibration]
+        assert (
+            max(lock.index(s) for s in cal)
+            < lock.index(f"{task}_calibrate")
+            < min(lock.index(c.stage) for c in per_task[task] if not c.calibration)
+        )
+    assert not (workdir / "fake/repro").exists()  # no `dvc repro` at all
 
 
 def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_stops(workdir):
@@ -527,9 +566,9 @@ def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_
     assert "calibration done: protocol/<task>.json written; commit it before the evaluation" in out.stdout
     assert "grid cells" not in out.stdout
     assert set(stage_records(workdir)) == set(CHAINS[0])  # no evaluation instance was built
-    assert set(committed(workdir / "fake.lock")) == set(CHAINS[0]) | {c.stage for c in CAL}
+    assert set(committed(workdir / "fake.lock")) == set(CHAINS[0]) | {c.stage for c in CAL} | {"grammar_calibrate"}
     assert with_outputs(workdir) == {c.stage for c in CAL}
-    assert (workdir / "fake/repro").read_text() == "grammar_calibrate\n"  # no analysis either
+    assert (workdir / "fake/tails").read_text() == f"grammar_calibrate after {len(CAL)} cells\n"  # no analysis
 
 
 def test_an_upstream_stage_of_a_calibration_instance_runs_its_tasks_module(monkeypatch):
