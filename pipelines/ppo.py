@@ -15,6 +15,7 @@ import argparse
 import copy
 import csv
 import io
+import json
 import sys
 import time
 from typing import NamedTuple
