@@ -114,14 +114,14 @@ def write_params(repo: Path, params: dict) -> None:
 
 
 def visible_runs(repo: Path, experiment: str = "e2e") -> dict[str, list]:
-    """The MLflow runs of ``repo`` by DVC stage (each sweep's parent run left out)."""
+    """The current MLflow runs of ``repo`` by DVC stage (superseded runs, sweep and task group runs left out)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name(experiment)
     runs: dict[str, list] = {}
     for r in client.search_runs([exp.experiment_id], max_results=1000):
-        if "dvc_stage" in r.data.tags:  # a stage's run (the sweep's parent run has none)
+        if "dvc_stage" in r.data.tags and "superseded" not in r.data.tags:  # a stage's current run
             runs.setdefault(r.data.tags["dvc_stage"], []).append(r)
     return runs
 
