@@ -135,12 +135,13 @@ def drop_idle_tasks(repo: Path, params: dict) -> None:
         return
     doc = yaml.safe_load((repo / "dvc.yaml").read_text())  # merge keys resolved
     doc["stages"] = {k: v for k, v in doc["stages"].items() if not k.startswith(tuple(f"{t}_" for t in idle))}
+    doc["plots"] = [p for p in doc.get("plots", []) if not next(iter(p)).startswith(tuple(f"{t}_" for t in idle))]
     (repo / "dvc.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=4096))
 
 
 def make_repo(repo: Path, params: dict) -> Path:
     """A git + DVC repository in ``repo`` with this one's code (rlhf, ablations, pipelines, dvc.yaml) and ``params``."""
-    code = ("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")
+    code = ("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvc/plots/", ".dvcignore")
     copy_code(repo, code, names=("dvc.yaml", ".gitignore"))
     write_params(repo, params)
     drop_idle_tasks(repo, params)
