@@ -11,7 +11,7 @@ question's verdict, estimate, CI and n, what calibration fixed: flat, identifier
 frontier, the paired differences) and their figures. Everything is written to a temporary sibling folder first and
 moved into place only when complete, so an interrupted run leaves the previous report (or none), never half of one.
 The MLflow run gets every output as an artifact and metrics.json as metrics and tags; the task's group run and the
-sweep's run get metrics.json too (the sweep's keys prefixed ``<task>.``).
+sweep's run get metrics.json too.
 """
 
 from __future__ import annotations
@@ -44,21 +44,25 @@ def identifier(text: str) -> str:
     return re.sub(r"\W+", "_", str(text), flags=re.ASCII).strip("_") or "_"
 
 
-def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict) -> dict:
-    """metrics.json: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level its look
-    spent) and n, the error budget's alpha, and what calibration fixed (the reference arm's β, the control's β, the
-    KL target, each margin, each tuned arm's β). Flat keys, generic over the questions ``analyse`` returned; a
-    number that is not finite is left out (a question not yet decided has no CI)."""
-    out: dict = {"headline": headline, "n_instances": int(n_instances), "alpha": budget.get("alpha")}
+def headline_metrics(task: str, primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict):
+    """metrics.json of ``task``: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level
+    its look spent) and n, the number of instances, the error budget's alpha, and what calibration fixed (the
+    reference arm's β, the control's β, the KL target, each margin, each tuned arm's β). Flat keys, generic over the
+    questions ``analyse`` returned, each prefixed with the task (``grammar_Q1_estimate``): unique across the tasks'
+    files, so `dvc exp show` names its columns by the key alone. A number that is not finite is left out (a question
+    not yet decided has no CI)."""
+    out: dict = {"headline": headline}
     for row in primary:
         q = identifier(row["question"])
         for f in QUESTION_FIELDS:
             out[f"{q}_{f}"] = row.get(f)
+    out |= {"n_instances": int(n_instances), "alpha": budget.get("alpha")}
     out |= {name: protocol.get(key) for key, name in CALIBRATED.items()}
     out |= {f"margin_{identifier(m)}": v for m, v in (protocol.get("margins") or {}).items()}
     out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
     keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
-    return {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
+    t = identifier(task)
+    return {f"{t}_{k}": (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
 
 
 def frozen(root: Path, path: Path) -> dict:
@@ -130,27 +134,26 @@ def write_views(tr, calibrated: dict, folder: Path) -> list[Path]:
     """metrics.json and the plots' data and figures (ablations/plots.py write_views) of one task into ``folder``."""
     from ablations import plots
 
-    metrics = headline_metrics(tr.primary, tr.headline, tr.budget, tr.runs.instance.nunique(), calibrated)
+    metrics = headline_metrics(tr.task, tr.primary, tr.headline, tr.budget, tr.runs.instance.nunique(), calibrated)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / METRICS).write_text(json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
     return [folder / METRICS, *plots.write_views(tr, folder)]
 
 
-def log_headline(client, run_id: str, metrics: dict, prefix: str = "") -> None:
+def log_headline(client, run_id: str, metrics: dict) -> None:
     """metrics.json on a run: its numbers as metrics, its strings (headline, verdicts) as tags. The keys have no
     "/", so the UI files the metrics under "Model metrics", after the curves."""
     from mlflow.entities import RunTag
 
-    client.log_batch(run_id, tags=[RunTag(f"{prefix}{k}", v) for k, v in metrics.items() if isinstance(v, str)])
-    numbers = {f"{prefix}{k}": v for k, v in metrics.items() if not isinstance(v, str | bool)}
-    tracking.log_final(client, run_id, numbers)
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in metrics.items() if isinstance(v, str)])
+    tracking.log_final(client, run_id, {k: v for k, v in metrics.items() if not isinstance(v, str | bool)})
 
 
 def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
     """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
     (``comparisons.json``), metrics.json (headline and verdicts as tags, numbers as metrics: a few per question, not
     one per comparison, or the chart view would open on a bar chart of each). The same metrics go on the task's group
-    run, and, prefixed with the task, on the sweep's run, with links to the report. MLflow is only a mirror: the run
+    run and on the sweep's run (the keys name their task), with a link to the report. MLflow is only a mirror: the run
     directories were the input, reports/ is the output."""
     metrics = json.loads((out / METRICS).read_text()) if (out / METRICS).is_file() else {}
     log_headline(client, run_id, metrics)
@@ -164,13 +167,14 @@ def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
         log_headline(client, group, metrics)
     sweep = os.environ.get(tracking.PARENT_ENV)
     if sweep and task:
-        log_headline(client, sweep, metrics, prefix=f"{task}.")
+        log_headline(client, sweep, metrics)
         link = f"#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/report.md"
-        client.set_tag(sweep, f"{task}.report", f"reports/{task}/report.md")
+        client.set_tag(sweep, f"{identifier(task)}_report", f"reports/{task}/report.md")
         note = client.get_run(sweep).data.tags.get(tracking.RUN_NOTE_TAG, "")
-        line = f"- `{task}`: **{metrics.get('headline', '?')}**: [report]({link}) (`reports/{task}/report.md`)"
+        answer = metrics.get(f"{identifier(task)}_headline", "?")
+        line = f"- `{task}`: **{answer}**: [report]({link}) (`reports/{task}/report.md`)"
         if line not in note:
-            head = note or "Each task's answer (metrics `<task>.*`; its analysis run holds the report and figures):"
+            head = note or "Each task's answer (metrics `<task>_*`; its analysis run holds the report and figures):"
             client.set_tag(sweep, tracking.RUN_NOTE_TAG, f"{head}\n{line}")
 
 

@@ -76,7 +76,8 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     assert base["params"]["grammar"]["coefs"] == []
     for row in (rows["coef03"], base):
         m = row["metrics"]["reports/grammar/metrics.json"]
-        assert m["headline"] and m["n_instances"] == 2 and "Q1_verdict" in m and "beta" in m
+        assert m["grammar_headline"] and m["grammar_n_instances"] == 2
+        assert "grammar_Q1_verdict" in m and "grammar_Q1_lo" in m and "grammar_beta" in m
     # the queue: each variation from the commit's state, the runner for each
     sh(repo, sys.executable, "-m", "pipelines.exp", "run", "--queue", "-n", "kl2", "-S", "grammar.kl_targets=[2.0]")
     assert "kl2: -S grammar.kl_targets=[2.0]" in sh(repo, sys.executable, "-m", "pipelines.exp", "queue").stdout
@@ -84,12 +85,17 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     assert "8 of 26 grid cells to run" in out, out  # each arm steered to 2 nats; coefs back to the commit's []
     rows = exp_rows(repo)
     assert rows["kl2"]["params"]["grammar"]["kl_targets"] == [2.0] and rows["kl2"]["params"]["grammar"]["coefs"] == []
-    # the table at a terminal's default width: the headline columns come first and are readable
-    env = {**stage_env(repo), "COLUMNS": "80"}
-    table = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--no-pager"], cwd=repo, env=env,
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert max(len(line) for line in table.splitlines()) <= 80
-    assert "coef03" in table and "kl2" in table and "headline" in table, table
+    # the table as `dvc exp show` prints it (in a terminal through `less -RS`): its first screen, 160 columns, shows
+    # each experiment with the task's headline and the first primary question
+    env = {**stage_env(repo), "COLUMNS": "160"}
+    table = subprocess.run([sys.executable, "-m", "dvc", "exp", "show"], cwd=repo, env=env, capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    screen = [line[:160] for line in table.splitlines()]
+    header = next(line for line in screen if "Experiment" in line).split()
+    assert header[:4] == ["Experiment", "Created", "grammar_headline", "grammar_Q1_verdict"], header
+    for name in ("coef03", "kl2", "workspace"):
+        row = next(line for line in screen if name in line)
+        assert any(v in row for v in ("matters", "not settled", "does not matter")), row
     sh(repo, sys.executable, "-m", "pipelines.profile", "--reset")
     assert yaml.safe_load((repo / "params.yaml").read_text())["grammar"]["kl_targets"] == []
     assert json.loads(sh(repo, sys.executable, "-m", "dvc", "status", "--json").stdout or "{}") == {}
