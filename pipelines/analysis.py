@@ -37,6 +37,7 @@ REPORTS_DIR = Path("reports")
 METRICS = "metrics.json"  # reports/<task>/metrics.json: the task's only DVC metrics
 CALIBRATED = {"coef": "beta", "control_coef": "control_beta", "kl_target": "kl_target"}  # protocol key -> metric
 QUESTION_FIELDS = ("verdict", "estimate", "lo", "hi", "n")  # per primary question: <question>_<field>
+SWEEP = ("_estimate", "n_instances")  # the numbers of metrics.json the sweep's MLflow run gets (a chart each)
 
 
 def identifier(text: str) -> str:
@@ -44,13 +45,13 @@ def identifier(text: str) -> str:
     return re.sub(r"\W+", "_", str(text), flags=re.ASCII).strip("_") or "_"
 
 
-def headline_metrics(task: str, primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict):
-    """metrics.json of ``task``: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level
-    its look spent) and n, the number of instances, the error budget's alpha, and what calibration fixed (the
-    reference arm's β, the control's β, the KL target, each margin, each tuned arm's β). Flat keys, generic over the
-    questions ``analyse`` returned, each prefixed with the task (``grammar_Q1_estimate``): unique across the tasks'
-    files, so `dvc exp show` names its columns by the key alone. A number that is not finite is left out (a question
-    not yet decided has no CI)."""
+def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict) -> dict:
+    """metrics.json: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level its look
+    spent) and n, the number of instances, the error budget's alpha, and what calibration fixed (the reference arm's
+    β, the control's β, the KL target, each margin, each tuned arm's β). Flat keys, the same in every task's file
+    (`dvc metrics show` lines the tasks up, one row each; `dvc exp show` names a column ``<file>:<key>``), generic
+    over the questions ``analyse`` returned. A number that is not finite is left out (a question not yet decided
+    has no CI)."""
     out: dict = {"headline": headline}
     for row in primary:
         q = identifier(row["question"])
@@ -61,8 +62,7 @@ def headline_metrics(task: str, primary: list[dict], headline: str, budget: dict
     out |= {f"margin_{identifier(m)}": v for m, v in (protocol.get("margins") or {}).items()}
     out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
     keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
-    t = identifier(task)
-    return {f"{t}_{k}": (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
+    return {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
 
 
 def frozen(root: Path, path: Path) -> dict:
@@ -134,7 +134,7 @@ def write_views(tr, calibrated: dict, folder: Path) -> list[Path]:
     """metrics.json and the plots' data and figures (ablations/plots.py write_views) of one task into ``folder``."""
     from ablations import plots
 
-    metrics = headline_metrics(tr.task, tr.primary, tr.headline, tr.budget, tr.runs.instance.nunique(), calibrated)
+    metrics = headline_metrics(tr.primary, tr.headline, tr.budget, tr.runs.instance.nunique(), calibrated)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / METRICS).write_text(json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
     return [folder / METRICS, *plots.write_views(tr, folder)]
@@ -153,8 +153,10 @@ def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
     """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
     (``comparisons.json``), metrics.json (headline and verdicts as tags, numbers as metrics: a few per question, not
     one per comparison, or the chart view would open on a bar chart of each). The same metrics go on the task's group
-    run and on the sweep's run (the keys name their task), with a link to the report. MLflow is only a mirror: the run
-    directories were the input, reports/ is the output."""
+    run, and on the sweep's run (keys prefixed ``<task>_``), with a link to the report. MLflow is only a mirror: the run
+    directories were the input, reports/ is the output. The sweep's run gets the headline, verdicts and estimates
+    only: the runs page's default chart view, which shows the sweep with its runs folded, draws one chart per
+    metric."""
     metrics = json.loads((out / METRICS).read_text()) if (out / METRICS).is_file() else {}
     log_headline(client, run_id, metrics)
     tracking.log_csv_table(client, run_id, out / "comparisons.csv", "comparisons.json", first=("label", "verdict"))
@@ -166,13 +168,14 @@ def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
     if group and client.get_run(group).data.tags.get(tracking.TASK_GROUP_TAG):
         log_headline(client, group, metrics)
     sweep = os.environ.get(tracking.PARENT_ENV)
-    if sweep and task:
-        log_headline(client, sweep, metrics)
+    if sweep and task:  # the answer only, keys prefixed with the task: headline and verdicts, each estimate
+        t = identifier(task)
+        answer = {f"{t}_{k}": v for k, v in metrics.items() if isinstance(v, str) or k.endswith(SWEEP)}
+        log_headline(client, sweep, answer)
         link = f"#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/report.md"
-        client.set_tag(sweep, f"{identifier(task)}_report", f"reports/{task}/report.md")
+        client.set_tag(sweep, f"{t}_report", f"reports/{task}/report.md")
         note = client.get_run(sweep).data.tags.get(tracking.RUN_NOTE_TAG, "")
-        answer = metrics.get(f"{identifier(task)}_headline", "?")
-        line = f"- `{task}`: **{answer}**: [report]({link}) (`reports/{task}/report.md`)"
+        line = f"- `{task}`: **{metrics.get('headline', '?')}**: [report]({link}) (`reports/{task}/report.md`)"
         if line not in note:
             head = note or "Each task's answer (metrics `<task>_*`; its analysis run holds the report and figures):"
             client.set_tag(sweep, tracking.RUN_NOTE_TAG, f"{head}\n{line}")
