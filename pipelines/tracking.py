@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -292,18 +291,6 @@ def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_ke
     ]
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
-
-
-def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
-    """Nested dict -> {"a.b": number} for its int/float leaves, keys made valid MLflow metric names."""
-    out = {}
-    for k, v in d.items():
-        key = re.sub(r"[^\w\-. :/]", "_", f"{prefix}{k}")
-        if isinstance(v, dict):
-            out.update(flatten_numbers(v, key + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-    return out
 
 
 def log_final(client, run_id: str, values: dict) -> None:
