@@ -76,7 +76,7 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     assert base["params"]["grammar"]["coefs"] == []
     for row in (rows["coef03"], base):
         m = row["metrics"]["reports/grammar/metrics.json"]
-        assert m["headline"] and m["n_instances"] == 2 and "Q1_verdict" in m and "Q1_lo" in m and "beta" in m
+        assert m["headline"] and m["n_instances"] == 2 and "Q1_verdict" in m and "Q1_n" in m and "beta" in m
     # the queue: each variation from the commit's state, the runner for each
     sh(repo, sys.executable, "-m", "pipelines.exp", "run", "--queue", "-n", "kl2", "-S", "grammar.kl_targets=[2.0]")
     assert "kl2: -S grammar.kl_targets=[2.0]" in sh(repo, sys.executable, "-m", "pipelines.exp", "queue").stdout
