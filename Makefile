@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro calibrate settle answer dvc-repro test test-all lint check-params ui bench figure
+.PHONY: install repro calibrate settle answer dvc-repro reset test test-all lint check-params ui bench figure
 
 $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -38,6 +38,9 @@ answer: install             ## the README's answer section from reports/<task>/a
 
 dvc-repro: check-params      ## the same, one stage at a time, by plain DVC
 	dvc repro
+
+reset: install               ## back to the commit's params.yaml, dvc.lock, reports/, protocol/ (after a profile or an experiment)
+	$(PY) -m pipelines.profile --reset
 
 test: install                ## fast tests (the default)
 	$(PY) -m pytest

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker as ticker
 import numpy as np
+import pandas as pd
 
 from ablations.config import AnalysisParams
 from ablations.load import BASELINE
@@ -267,4 +268,183 @@ def all_figures(tr: TaskResults, proto: AnalysisParams, folder: Path) -> list[tu
     ]
     if len(tr.diagnostic_table):
         out.append(("Gradient diagnostics", diagnostics(tr, 1 - proto.alpha, folder / "diagnostics.png")))
+    return out
+
+
+# --- The views a reader compares arms by: DVC's top-level plots (reports/<task>/plots/*.json, vega-lite templates
+# in .dvc/plots/) and the same data as figures logged to the task's MLflow analysis run (figures/*.png) ---
+
+NO_KL = "no KL"
+PLOT_DATA = ("arms.json", "frontier.json", "differences.json")  # in reports/<task>/plots/
+VIEW_FIGURES = ("arms.png", "frontier.png", "differences.png")  # in reports/<task>/figures/
+
+
+def cell_label(arm: str, kind: str, level: float | None) -> str:
+    """One evaluation cell of a task, as the views name it: ``no KL``, ``<arm> β <coef>`` or ``<arm> KL <target>``."""
+    if kind == "baseline" or arm == BASELINE:
+        return NO_KL
+    return f"{arm} KL {level:.3g}" if kind == "matched" else f"{arm} β {level:g}"
+
+
+def _per_instance(tr: TaskResults) -> pd.DataFrame:
+    """Every eval row averaged over an instance's PPO seeds (the instance is the unit), labelled by cell and
+    placement; cells in the grid's order (no KL first)."""
+    ev = tr.evals
+    keys = ["arm", "kind", "level", "instance", "iteration"]
+    per = ev.groupby(keys, dropna=False, sort=False)[["gold", "kl"]].mean().reset_index()
+    placement = dict(zip(tr.runs.arm, tr.runs.placement))
+    per["cell"] = [cell_label(a, k, lv) for a, k, lv in zip(per.arm, per.kind, per.level)]
+    per["placement"] = per.arm.map(placement).fillna("none")
+    order = {c: i for i, c in enumerate(dict.fromkeys([NO_KL, *per.cell]))}
+    return per.assign(order=per.cell.map(order)).sort_values(["order", "instance", "iteration"], kind="stable")
+
+
+def arm_curves(tr: TaskResults) -> pd.DataFrame:
+    """Gold against PPO iteration per cell: the median and interquartile range across instances, and n."""
+    per = _per_instance(tr)
+    g = per.groupby(["order", "cell", "arm", "placement", "iteration"], sort=True).gold
+    out = pd.concat(
+        [g.median().rename("median"), g.quantile(0.25).rename("q25"), g.quantile(0.75).rename("q75"),
+         g.size().rename("n")], axis=1,
+    ).reset_index()  # fmt: skip
+    return out.drop(columns="order")
+
+
+def frontier(tr: TaskResults) -> pd.DataFrame:
+    """Gold against exact KL along training, per placement: each cell's median trajectory across instances (the
+    median KL and the median gold at each evaluated iteration); the no-KL trajectory repeated in every placement's
+    panel as the reference."""
+    per = _per_instance(tr)
+    g = per.groupby(["order", "cell", "arm", "placement", "iteration"], sort=True)
+    med = g[["kl", "gold"]].median().reset_index()
+    none, kl = med[med.cell == NO_KL], med[med.cell != NO_KL]
+    panels = list(dict.fromkeys(kl.placement)) or ["none"]
+    out = pd.concat([*(none.assign(placement=p) for p in panels), kl], ignore_index=True)
+    # cells in the grid's order (the colours of arms.json), the panels in the order their arms come
+    return out.sort_values("order", kind="stable").drop(columns="order").reset_index(drop=True)
+
+
+def differences(tr: TaskResults) -> pd.DataFrame:
+    """Each primary question's paired difference d_i per instance (ablations/primary.py ``differences``, in the
+    pre-registered order), ``decided`` for the instances of the look that decided it, with its estimate, CI and
+    margin. Generic over the questions: whatever analyse() returned."""
+    rows = []
+    for r in tr.primary:
+        for k, (instance, d) in enumerate((r.get("differences") or {}).items()):
+            rows.append(
+                {"question": r["question"], "comparison": r["comparison"], "metric": r["metric"],
+                 "instance": int(instance), "difference": d, "decided": k < (r.get("n") or 0),
+                 "estimate": r.get("estimate"), "lo": r.get("lo"), "hi": r.get("hi"), "margin": r.get("margin"),
+                 "verdict": r.get("verdict")}
+            )  # fmt: skip
+    cols = ["question", "comparison", "metric", "instance", "difference", "decided", "estimate", "lo", "hi", "margin"]
+    return pd.DataFrame(rows, columns=[*cols, "verdict"])
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    """JSON-ready rows: floats rounded to 6 decimals (readable diffs), NaN as null."""
+    out = []
+    for row in df.to_dict("records"):
+        out.append({k: (None if isinstance(v, float) and not np.isfinite(v) else
+                        round(v, 6) if isinstance(v, float) else v.item() if isinstance(v, np.generic) else v)
+                    for k, v in row.items()})  # fmt: skip
+    return out
+
+
+# no KL black, then vega's tableau10 and more: the colours of the templates in .dvc/plots/ (cells in the grid's order)
+CELL_COLOURS = ("#000000", "#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6",
+                "#9d755d", "#bab0ac", "#8c564b", "#17becf", "#bcbd22", "#7f7f7f")  # fmt: skip
+
+
+def _cell_colours(cells) -> dict[str, str]:
+    """Each cell's colour, as the DVC templates give it: in order of first appearance, no KL first."""
+    others = [c for c in dict.fromkeys(cells) if c != NO_KL]
+    rest = CELL_COLOURS[1:]
+    return {NO_KL: CELL_COLOURS[0], **{c: rest[i % len(rest)] for i, c in enumerate(others)}}
+
+
+def arms_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
+    """Every cell's median gold (line) with its interquartile range across instances (band), one panel."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colours = _cell_colours(df.cell)
+    for cell, g in df.groupby("cell", sort=False):
+        ax.fill_between(g.iteration, g.q25, g.q75, color=colours[cell], alpha=0.12, lw=0)
+        ax.plot(g.iteration, g["median"], color=colours[cell], lw=1.8, label=f"{cell} (n={int(g.n.max())})")
+    ax.set(xlabel="PPO iteration", ylabel="gold (held-out prompts)",
+           title=f"{task}: gold by arm, median and interquartile range across instances")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def frontier_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
+    """Gold against exact KL along training, one panel per placement, each cell's median trajectory (the last
+    evaluation marked), the no-KL trajectory in black in every panel; KL on a symmetric-log axis."""
+    panels = list(dict.fromkeys(df.placement))
+    fig, axes = _panels(panels, f"{task}: gold against exact KL(π‖π_ref) along training, median across instances",
+                        4.6, 3.8)  # fmt: skip
+    colours = _cell_colours(df.cell)
+    for p, ax in axes.items():
+        for cell, g in df[df.placement == p].groupby("cell", sort=False):
+            style = {"color": colours[cell], "lw": 1.0 if cell == NO_KL else 1.6, "ls": "--" if cell == NO_KL else "-"}
+            ax.plot(g.kl, g.gold, label=cell, **style)
+            ax.plot(g.kl.iloc[-1:], g.gold.iloc[-1:], "o", color=colours[cell], ms=4)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set(title=f"KL in the {p}" if p in ("reward", "loss") else p, xlabel="exact KL (nats / response)")
+        ax.set_ylabel("gold")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def differences_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
+    """Per primary question, each instance's paired difference (filled: the instances of the deciding look), the
+    estimate with its CI (bar), zero and the ±margin band."""
+    questions = list(dict.fromkeys(df.question)) or ["no primary question"]
+    sizes = [max(int((df.question == q).sum()), 4) + 3 for q in questions]
+    fig, axs = plt.subplots(len(questions), 1, figsize=(8, 0.9 + 0.16 * sum(sizes)), squeeze=False,
+                            gridspec_kw={"height_ratios": sizes})  # fmt: skip
+    fig.suptitle(f"{task}: primary questions, paired differences by instance")
+    axes = dict(zip(questions, axs[:, 0]))
+    for q, ax in axes.items():
+        d = df[df.question == q].reset_index(drop=True)
+        if d.empty:
+            continue
+        m = float(d.margin.iloc[0])
+        ax.axvspan(-m, m, color="tab:green", alpha=0.1, lw=0)
+        ax.axvline(0, color="black", lw=0.7)
+        y = np.arange(len(d))[::-1]
+        used = d.decided.to_numpy(bool)
+        ax.plot(d.difference[used], y[used], "o", color="tab:blue", ms=4, label="in the deciding look")
+        ax.plot(d.difference[~used], y[~used], "o", mfc="none", color="tab:blue", ms=4, label="later instances")
+        est, lo, hi = (d[c].iloc[0] for c in ("estimate", "lo", "hi"))
+        if lo is not None and hi is not None and np.isfinite([est, lo, hi]).all():
+            err = [[est - lo], [hi - est]]
+            ax.errorbar([est], [-1.5], xerr=err, fmt="D", color="tab:red", capsize=3, label="estimate, CI")
+        ax.set_yticks(y, [str(i) for i in d.instance], fontsize=5)
+        ax.set_title(f"{q}: {d.comparison.iloc[0]} ({d.metric.iloc[0]})\n{d.verdict.iloc[0]}", fontsize=8)
+        ax.set_xlabel(f"difference in {d.metric.iloc[0]} (shaded ±{m:.3g})")
+        ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def write_views(tr: TaskResults, folder: Path) -> list[Path]:
+    """Writes the three views of ``tr`` into ``folder``: their data (plots/arms.json, plots/frontier.json,
+    plots/differences.json: DVC's top-level plots) and figures (figures/arms.png, frontier.png, differences.png:
+    logged to MLflow). Returns the paths."""
+    import json
+
+    data = {"arms.json": arm_curves(tr), "frontier.json": frontier(tr), "differences.json": differences(tr)}
+    (folder / "plots").mkdir(parents=True, exist_ok=True)
+    (folder / "figures").mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, df in data.items():
+        (folder / "plots" / name).write_text(json.dumps(_records(df), indent=1, ensure_ascii=False) + "\n")
+        out.append(folder / "plots" / name)
+    out.append(arms_figure(data["arms.json"], tr.task, folder / "figures" / "arms.png"))
+    out.append(frontier_figure(data["frontier.json"], tr.task, folder / "figures" / "frontier.png"))
+    out.append(differences_figure(data["differences.json"], tr.task, folder / "figures" / "differences.png"))
     return out

@@ -187,6 +187,7 @@ def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: l
         **(_t_beside(d[: dec["n"]], dec["a_j"]) if dec["n"] else _t_beside(np.array([]), 0.05)),
         **beside_rliable(ordered(va, order[: dec["n"]]), ordered(vb, order[: dec["n"]])),
         "path": [_look(x) for x in looks],
+        "differences": {int(i): float(x) for i, x in zip(order, d)},  # per instance, pre-registered order
     }
 
 

@@ -3,17 +3,24 @@ calibrated protocol (protocol/<task>.json, with the commit git has held it since
 
     python -m pipelines.analysis grammar
 
-Outputs (ablations.analysis.TASK_OUTPUTS) in reports/<task>/: report.md, answer.md (the README's answer block,
-pipelines/readme.py), stats.json (DVC metrics), comparisons.csv, runs.csv and figures/. Everything is written to a
-temporary sibling folder first and moved into place only when complete, so an interrupted run leaves the previous
-report (or none), never half of one.
+Outputs in reports/<task>/: report.md, answer.md (the README's answer block, pipelines/readme.py), stats.json
+(everything the report states), comparisons.csv, runs.csv and figures/ (ablations.analysis.TASK_OUTPUTS); and the
+views (ablations/plots.py write_views, METRICS): metrics.json, the task's only DVC metrics (the headline, each primary
+question's verdict, estimate, CI and n, what calibration fixed: flat, identifier-safe keys, so `dvc metrics show`,
+`dvc metrics diff` and `dvc exp show` stay readable), plots/*.json (DVC's top-level plots: gold by arm, the gold-KL
+frontier, the paired differences) and their figures. Everything is written to a temporary sibling folder first and
+moved into place only when complete, so an interrupted run leaves the previous report (or none), never half of one.
+The MLflow run gets every output as an artifact and metrics.json as metrics and tags; the task's group run and the
+sweep's run get metrics.json too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,35 @@ from ablations.lock import protocol_lock, watched_keys
 from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
+METRICS = "metrics.json"  # reports/<task>/metrics.json: the task's only DVC metrics
+CALIBRATED = {"coef": "beta", "control_coef": "control_beta", "kl_target": "kl_target"}  # protocol key -> metric
+QUESTION_FIELDS = ("verdict", "estimate", "lo", "hi", "n")  # per primary question: <question>_<field>
+SWEEP = ("_estimate", "n_instances")  # the numbers of metrics.json the sweep's MLflow run gets (a chart each)
+
+
+def identifier(text: str) -> str:
+    """``text`` as a metric key DVC, MLflow and a shell all take as is: letters, digits and underscores."""
+    return re.sub(r"\W+", "_", str(text), flags=re.ASCII).strip("_") or "_"
+
+
+def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict) -> dict:
+    """metrics.json: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level its look
+    spent) and n, the number of instances, the error budget's alpha, and what calibration fixed (the reference arm's
+    β, the control's β, the KL target, each margin, each tuned arm's β). Flat keys, the same in every task's file
+    (`dvc metrics show` lines the tasks up, one row each; `dvc exp show` names a column ``<file>:<key>``), generic
+    over the questions ``analyse`` returned. A number that is not finite is left out (a question not yet decided
+    has no CI)."""
+    out: dict = {"headline": headline}
+    for row in primary:
+        q = identifier(row["question"])
+        for f in QUESTION_FIELDS:
+            out[f"{q}_{f}"] = row.get(f)
+    out |= {"n_instances": int(n_instances), "alpha": budget.get("alpha")}
+    out |= {name: protocol.get(key) for key, name in CALIBRATED.items()}
+    out |= {f"margin_{identifier(m)}": v for m, v in (protocol.get("margins") or {}).items()}
+    out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
+    keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
+    return {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
 
 
 def frozen(root: Path, path: Path) -> dict:
@@ -79,16 +115,12 @@ def main(
                 watched_files=[path.as_posix()],
                 report_path=(REPORTS_DIR / task / "stats.json").as_posix(),
             )
-            written = analysis.run(
-                params.analysis,
-                expected,
-                tmp,
-                root,
-                lock,
-                task=task,
-                calibrated={task: calibrated},
-                order={task: params.tasks()[task].instances},
-            )
+            order = {task: params.tasks()[task].instances}
+            res = analysis.analyse(params.analysis, expected, root, lock, {task: calibrated}, order)
+            if list(res.tasks) != [task]:
+                raise ValueError(f"analysis of {task} got runs of {list(res.tasks)}")
+            views = write_views(res.tasks[task], calibrated, Path(tmp))
+            written = views + analysis.write_task(res, task, tmp)  # report.md last
             produced = [f.relative_to(tmp) for f in written]
             for rel in produced:  # same file system: each move is atomic; report.md comes last
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -98,22 +130,55 @@ def main(
     return written
 
 
-def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
-    """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
-    (``comparisons.json``), stats.json's top-level strings (the headline answer) as tags, and a few counts
-    (instances, runs) as metrics. Not one metric per comparison: the chart view would open on
-    a bar chart of each. The counts' keys have no "/", so the UI files them under "Model metrics", after the curves.
-    MLflow is only a mirror: the run directories were the input, reports/ is the output."""
+def write_views(tr, calibrated: dict, folder: Path) -> list[Path]:
+    """metrics.json and the plots' data and figures (ablations/plots.py write_views) of one task into ``folder``."""
+    from ablations import plots
+
+    metrics = headline_metrics(tr.primary, tr.headline, tr.budget, tr.runs.instance.nunique(), calibrated)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / METRICS).write_text(json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+    return [folder / METRICS, *plots.write_views(tr, folder)]
+
+
+def log_headline(client, run_id: str, metrics: dict) -> None:
+    """metrics.json on a run: its numbers as metrics, its strings (headline, verdicts) as tags. The keys have no
+    "/", so the UI files the metrics under "Model metrics", after the curves."""
     from mlflow.entities import RunTag
 
-    stats = json.loads((out / "stats.json").read_text())
-    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in stats.items() if isinstance(v, str)])
-    counts = {k: stats[k] for k in ("n_instances", "n_runs") if k in stats}
-    tracking.log_final(client, run_id, tracking.flatten_numbers(counts))
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in metrics.items() if isinstance(v, str)])
+    tracking.log_final(client, run_id, {k: v for k, v in metrics.items() if not isinstance(v, str | bool)})
+
+
+def log_to_mlflow(client, run_id: str, out: Path, written: list[Path]) -> None:
+    """Mirrors the report into the analysis run: every output as an artifact, the comparisons as a table
+    (``comparisons.json``), metrics.json (headline and verdicts as tags, numbers as metrics: a few per question, not
+    one per comparison, or the chart view would open on a bar chart of each). The same metrics go on the task's group
+    run, and on the sweep's run (keys prefixed ``<task>_``), with a link to the report. MLflow is only a mirror: the run
+    directories were the input, reports/ is the output. The sweep's run gets the headline, verdicts and estimates
+    only: the runs page's default chart view, which shows the sweep with its runs folded, draws one chart per
+    metric."""
+    metrics = json.loads((out / METRICS).read_text()) if (out / METRICS).is_file() else {}
+    log_headline(client, run_id, metrics)
     tracking.log_csv_table(client, run_id, out / "comparisons.csv", "comparisons.json", first=("label", "verdict"))
     for path in written:
         sub = path.parent.relative_to(out)
         client.log_artifact(run_id, str(path), artifact_path=None if sub == Path(".") else str(sub))
+    run = client.get_run(run_id)
+    task, group = run.data.tags.get("task"), run.data.tags.get(tracking.PARENT_TAG)
+    if group and client.get_run(group).data.tags.get(tracking.TASK_GROUP_TAG):
+        log_headline(client, group, metrics)
+    sweep = os.environ.get(tracking.PARENT_ENV)
+    if sweep and task:  # the answer only, keys prefixed with the task: headline and verdicts, each estimate
+        t = identifier(task)
+        answer = {f"{t}_{k}": v for k, v in metrics.items() if isinstance(v, str) or k.endswith(SWEEP)}
+        log_headline(client, sweep, answer)
+        link = f"#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/report.md"
+        client.set_tag(sweep, f"{t}_report", f"reports/{task}/report.md")
+        note = client.get_run(sweep).data.tags.get(tracking.RUN_NOTE_TAG, "")
+        line = f"- `{task}`: **{metrics.get('headline', '?')}**: [report]({link}) (`reports/{task}/report.md`)"
+        if line not in note:
+            head = note or "Each task's answer (metrics `<task>_*`; its analysis run holds the report and figures):"
+            client.set_tag(sweep, tracking.RUN_NOTE_TAG, f"{head}\n{line}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def check() -> dict[str, str]:
     if off:
         warnings.warn(
             f"this CPU did not take the pinned code path ({off}; wanted {EXPECTED}): results may differ in "
-            "the last bits from other machines'",
+            "the last bits from other machines' (expected on AMD CPUs: README.md, section Reproducibility)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -81,14 +81,15 @@ CELL_DEPS = """\
       - models/<task>/${item.instance}/sft.pt
 <rm_dep>      - models/<task>/${item.instance}/eval0.json
 """
+# a cell's outputs are plain outs: the task's views (its analysis stage's metrics.json and the top-level plots of its
+# plots/*.json) compare the cells; declared as metrics or plots, 486 cells would each add a column to `dvc exp show`
+# and a single-run chart to `dvc plots show`
 CELL_OUTPUTS = """\
     outs:
       - runs/<task>/<kind>/${key}/history.csv
       - runs/<task>/<kind>/${key}/curves.png
       - runs/<task>/<kind>/${key}/diagnostics.csv
-    plots:
-      - runs/<task>/<kind>/${key}/evals.csv: {x: iteration, y: gold}
-    metrics:
+      - runs/<task>/<kind>/${key}/evals.csv
       - runs/<task>/<kind>/${key}/summary.json
 """
 
@@ -139,7 +140,6 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     params: [<task>.sft, <task>.model]
     outs:
       - models/<task>/${item.instance}/sft.pt
-    metrics:
       - metrics/<task>/${item.instance}/sft.json: {cache: false}
 """,
     "calibration_sft": """\
@@ -164,7 +164,6 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     params: [<task>.rm]
     outs:
       - models/<task>/${item.instance}/rm.pt
-    metrics:
       - metrics/<task>/${item.instance}/rm.json: {cache: false}
 """,
     "calibration_rm": """\
@@ -285,13 +284,46 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
     outs:
       - reports/<task>/report.md: {cache: false}
       - reports/<task>/answer.md: {cache: false}
+      - reports/<task>/stats.json: {cache: false}
       - reports/<task>/comparisons.csv: {cache: false}
       - reports/<task>/runs.csv: {cache: false}
       - reports/<task>/figures: {cache: false}
-    metrics:
-      - reports/<task>/stats.json: {cache: false}
+      - reports/<task>/plots: {cache: false}
+    metrics:                  # the task's only DVC metrics: `dvc metrics show`, `dvc metrics diff`, `dvc exp show`
+      - reports/<task>/metrics.json: {cache: false}
 """,
 }
+
+
+# Top-level plots (`dvc plots show`: one HTML page; `dvc plots diff <rev>`: revisions side by side), three per task,
+# from its analysis stage's reports/<task>/plots/*.json (ablations/plots.py write_views), each drawn by a vega-lite
+# template in .dvc/plots/ (DVC's folder for custom templates)
+PLOTS_HEADER = """\
+
+# The views to compare arms by: `dvc plots show` draws them on one page (dvc_plots/index.html), `dvc plots diff REV`
+# beside another revision's. Data: reports/<task>/plots/*.json (the analysis stage); templates: .dvc/plots/*.json.
+plots:
+"""
+PLOTS = """\
+  - <task>_arms:
+      template: arm_band
+      title: "<task>: gold by arm (median, interquartile range across instances)"
+      x: iteration
+      y:
+        reports/<task>/plots/arms.json: median
+  - <task>_frontier:
+      template: frontier
+      title: "<task>: gold against exact KL along training, per placement (median across instances)"
+      x: kl
+      y:
+        reports/<task>/plots/frontier.json: gold
+  - <task>_differences:
+      template: differences
+      title: "<task>: each primary question's paired difference by instance"
+      x: difference
+      y:
+        reports/<task>/plots/differences.json: instance
+"""
 
 
 def stage(kind: str, task: str) -> str:
@@ -303,9 +335,9 @@ def stage(kind: str, task: str) -> str:
 
 
 def render() -> str:
-    """The whole dvc.yaml: the header, then every registered task's stages in order."""
+    """The whole dvc.yaml: the header, every registered task's stages in order, then the top-level plots."""
     entries = [text for task in TASKS for kind in STAGES if (text := stage(kind, task))]
-    return HEADER + "\n".join(entries)
+    return HEADER + "\n".join(entries) + PLOTS_HEADER + "".join(PLOTS.replace("<task>", task) for task in TASKS)
 
 
 def main(argv: list[str] | None = None) -> None:

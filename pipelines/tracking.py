@@ -1,4 +1,4 @@
-"""MLflow logging for every stage: one visible run per DVC stage, marked FAILED if the stage dies.
+"""MLflow logging for the stages: one current run per DVC stage, marked FAILED if the stage dies; earlier runs kept.
 
 Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db``; artifacts in
 ``<repo>/mlartifacts``. Browse with ``make ui``, which prints the address of the experiment's training-curves view
@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,6 +38,15 @@ RUNNER_ENV = "RLHF_RUNNER_PID"  # set by the runner for its workers and DVC call
 # and DVC calls (pipelines/runner/mlflow_runs.py); a stage run by plain `dvc repro` logs a top-level run.
 PARENT_ENV = "RLHF_MLFLOW_PARENT_RUN"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag of a nested run (mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID)
+RUN_NOTE_TAG = "mlflow.note.content"  # a run's description (markdown), shown on its page
+# A re-run stage's earlier runs are kept, tagged superseded=true and superseded_by=<the new run's id>; the saved views
+# show current runs only (CURRENT_FILTER).
+SUPERSEDED_TAG = "superseded"
+CURRENT_FILTER = f"tags.{SUPERSEDED_TAG} IS NULL"
+# One run per task groups that task's stage runs (their parent), so a task's runs are one row to expand and compare:
+# under a sweep's run, one per task and sweep; for stages run by plain `dvc repro`, one top-level run per task.
+TASK_GROUP_TAG = "task_group"
+GROUP_LOCK = Path(".dvc/tmp/mlflow-groups.lock")  # parallel stages of one task create its group run once
 
 
 def flock_holder(path: Path) -> str | None:
@@ -121,24 +129,62 @@ def _raise_on_term(signum, frame):
     raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
+def task_group(client, exp_id: str, task: str) -> str:
+    """The id of the run that groups ``task``'s stage runs (created once, FINISHED at once: it only holds them):
+    nested under the sweep's run when the grid runner runs the stage (``PARENT_ENV``), else a top-level run of this
+    repository that every plain `dvc repro` of the task reuses. Named after the task, tagged ``task_group``."""
+    sweep = os.environ.get(PARENT_ENV)
+    where = f"tags.`{PARENT_TAG}` = '{sweep}'" if sweep else f"tags.`{PARENT_TAG}` IS NULL"
+    lock = ROOT / GROUP_LOCK
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # the parallel cells of a task: the first creates the group, the others find it
+        found = client.search_runs([exp_id], f"tags.{TASK_GROUP_TAG} = '{task}' AND {where}", max_results=100)
+        for run in found:
+            if _ours(run):
+                return run.info.run_id
+        tags = {TASK_GROUP_TAG: task, REPO_TAG: str(ROOT), **({PARENT_TAG: sweep} if sweep else {})}
+        tags[RUN_NOTE_TAG] = (
+            f"Groups the stage runs of task `{task}`" + (" in this sweep" if sweep else " run by plain `dvc repro`")
+            + f": expand it, or select its runs and *Compare*. Answer: `reports/{task}/report.md`."
+        )  # fmt: skip
+        run_id = client.create_run(exp_id, run_name=task, tags=tags).info.run_id
+        client.set_terminated(run_id, "FINISHED")
+        return run_id
+
+
+def supersede(client, exp_id: str, stage: str, new_run_id: str) -> list[str]:
+    """Tags this repository's earlier current runs of ``stage`` superseded (by ``new_run_id``); returns their ids.
+    They stay in the store, with their metrics and artifacts; the saved views leave them out (CURRENT_FILTER)."""
+    earlier = client.search_runs([exp_id], f"tags.{STAGE_TAG} = '{stage}' AND {CURRENT_FILTER}", max_results=1000)
+    done = []
+    for old in earlier:
+        if old.info.run_id != new_run_id and _ours(old):  # never another repository's run of the same stage name
+            client.set_tag(old.info.run_id, SUPERSEDED_TAG, "true")
+            client.set_tag(old.info.run_id, "superseded_by", new_run_id)
+            done.append(old.info.run_id)
+    return done
+
+
 @contextmanager
 def stage_run(stage: str, experiment: str, config: dict, tags: dict | None = None):
-    """Opens the MLflow run of ``stage``: earlier runs of the same stage are deleted first (re-running a cell
-    leaves one visible run), the resolved config is logged as params, and the run ends FINISHED, or FAILED
-    if the block raises or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
+    """Opens the MLflow run of ``stage``: a new run, nested under its task's group run (``task_group``) when
+    ``tags`` name a task, else under the sweep's run if any; earlier runs of the same stage are kept and tagged
+    superseded; the resolved config is logged as params, and the run ends FINISHED, or FAILED if the block raises
+    or the process gets SIGTERM/SIGINT. Yields (client, run_id)."""
     refuse_beside_runner()
     client, exp_id = experiment_client(experiment)
-    for old in client.search_runs([exp_id], filter_string=f"tags.{STAGE_TAG} = '{stage}'"):
-        if _ours(old):  # never another repository's run of the same stage name
-            client.delete_run(old.info.run_id)
     from pipelines import cpu
 
     all_tags = {STAGE_TAG: stage, REPO_TAG: str(ROOT), "git_commit": git_commit()}
     all_tags |= {k: str(v) for k, v in (tags or {}).items()}
     all_tags |= {f"determinism.{k}": v for k, v in cpu.settings().items()}  # what decides the float results
-    all_tags |= {PARENT_TAG: os.environ[PARENT_ENV]} if os.environ.get(PARENT_ENV) else {}
+    task = (tags or {}).get("task")
+    parent = task_group(client, exp_id, str(task)) if task else os.environ.get(PARENT_ENV)
+    all_tags |= {PARENT_TAG: parent} if parent else {}
     run = client.create_run(exp_id, run_name=stage, tags=all_tags)
     run_id = run.info.run_id
+    supersede(client, exp_id, stage, run_id)
     from mlflow.entities import Param
 
     params = [Param(k, v[:6000]) for k, v in flatten(config).items()]
@@ -247,18 +293,6 @@ def log_metrics(client, run_id: str, rows: list[dict], prefix: str = "", step_ke
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
 
 
-def flatten_numbers(d: dict, prefix: str = "") -> dict[str, float]:
-    """Nested dict -> {"a.b": number} for its int/float leaves, keys made valid MLflow metric names."""
-    out = {}
-    for k, v in d.items():
-        key = re.sub(r"[^\w\-. :/]", "_", f"{prefix}{k}")
-        if isinstance(v, dict):
-            out.update(flatten_numbers(v, key + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-    return out
-
-
 def log_final(client, run_id: str, values: dict) -> None:
     log_metrics(
         client,
@@ -302,17 +336,22 @@ def description(experiment_id: str, tasks=TASKS) -> str:
     return f"""**Does it matter where the KL penalty goes?** Answer: `reports/<task>/report.md` (`<task>_analysis` \
 runs). Training curves by arm: {views}.
 
-- **Runs**: one per DVC stage, named after the stage (`dvc.yaml`; tag `dvc_stage`), nested under the run of the \
-sweep (`make repro`, tag `sweep`) that ran it; a stage run by plain `dvc repro` is a top-level run. Re-running a stage \
-replaces its run; a stage that died leaves its run *Failed*. Filter one task with `tags.task = "grammar"`.
+- **Runs**: one per DVC stage run (the data stages log none), named after the stage (`dvc.yaml`; tag \
+`dvc_stage`), nested under its task's run (named after the task, tag `task_group`: expand it, or select its runs and \
+*Compare*), which nests under the run of the sweep (`make repro`, tag `sweep`: each task's headline as metrics) that \
+ran it; stages run by plain `dvc repro` nest under one top-level run per task. Re-running a stage gives it a new run \
+and keeps the earlier one, tagged `superseded` (the saved views show current runs only: \
+`tags.superseded IS NULL`); a stage that died leaves its run *Failed*. Filter one task with `tags.task = "grammar"`.
 - **Tags**: a grid cell's axes (`task`, `kind`, `instance`, `arm`, `coef`, `kl_target`, `placement`, `estimator`, \
 `target`, ...) and `git_commit`. \
 Filter with e.g. `tags.arm = "loss_k3"`, or *Group by* a tag.
 - **Metrics** by PPO iteration: `eval/*`, the held-out measurement every arm shares (gold reward, exact \
 KL(π‖π_ref), proxy reward, entropy, length, share of ungrammatical words), and `train/*`, each arm's own training \
-statistics; `final_*`/`peak_*`, a cell's summary; the `<task>_analysis` runs' verdict counts.
-- **Artifacts**: each cell's `curves.png`; each `<task>_analysis` run's report, figures and every comparison as a \
-table (`comparisons.json`: *View as table*).
+statistics; `final_*`/`peak_*`, a cell's summary; the `<task>_analysis` runs' headline metrics \
+(`reports/<task>/metrics.json`: each primary question's estimate, CI and n; verdicts as tags).
+- **Artifacts**: each cell's `curves.png`; each `<task>_analysis` run's report, figures (`figures/arms.png`: gold by \
+arm with an instance band; `figures/frontier.png`: gold against KL per placement; `figures/differences.png`: each \
+primary question's paired differences) and every comparison as a table (`comparisons.json`: *View as table*).
 - **Params**: the stage's resolved configuration from `params.yaml`.
 """
 
@@ -320,8 +359,8 @@ table (`comparisons.json`: *View as table*).
 def curves_view_state(task: str) -> dict:
     """The runs-page state of a task's training-curves view, in the MLflow 3.17 web app's format (the search facet
     ``searchFilter`` and fields of its ``ExperimentPageUIState``; the web app fills in every field left out with its
-    default): chart mode is set by the URL, this sets the task's runs, the charts, their sections and the grouping
-    by arm, so the first chart compares the arms of one task."""
+    default): chart mode is set by the URL, this sets the task's current runs (superseded ones left out), the
+    charts, their sections and the grouping by arm, so the first chart compares the arms of one task."""
     sections = [
         {"uuid": f"section-{i}", "name": name, "display": True, "isReordered": True, "deleted": False}
         for i, name in enumerate(SECTIONS)
@@ -347,7 +386,7 @@ def curves_view_state(task: str) -> dict:
         for key in FIRST_CHARTS
     ]
     return {
-        "searchFilter": f"tags.task = '{task}'",
+        "searchFilter": f"tags.task = '{task}' AND {CURRENT_FILTER}",
         "compareRunCharts": charts,
         "compareRunSections": sections,
         "isAccordionReordered": True,  # keep SECTIONS' order (the web app would sort them by name)

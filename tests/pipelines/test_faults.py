@@ -115,10 +115,11 @@ def test_runs_of_another_repository_in_a_shared_store_are_never_touched(tmp_path
     assert tracking.fail_running("e", "gone") == ["s"]
     status = {r: client.get_run(r).info.status for r in (mine, theirs, untagged)}
     assert status == {mine: "FAILED", theirs: "RUNNING", untagged: "RUNNING"}
-    with tracking.stage_run("s", "e", {}):  # a rerun of stage s deletes only this repository's earlier run
+    with tracking.stage_run("s", "e", {}):  # a rerun of stage s supersedes only this repository's earlier run
         pass
-    assert client.get_run(theirs).info.lifecycle_stage == "active"
-    assert client.get_run(mine).info.lifecycle_stage == "deleted"
+    assert tracking.SUPERSEDED_TAG not in client.get_run(theirs).data.tags
+    assert client.get_run(mine).data.tags[tracking.SUPERSEDED_TAG] == "true"
+    assert client.get_run(mine).info.lifecycle_stage == "active"  # kept
 
 
 def test_a_cell_whose_params_changed_is_left_stale_with_one_line(repo, capsys):

@@ -38,9 +38,12 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 EXPERIMENT = "kl-placement"  # as in params.yaml, for the screenshot
-# (arm, coef, seed) of the grid cells; "none" is the no-KL baseline. Tags as pipelines/ppo.py sets them.
-CELLS = [("reward_k1", 0.1, 0), ("reward_k1", 0.1, 1), ("loss_k1", 0.1, 0), ("loss_k2", 0.1, 0), ("none", 0.0, 0)]
-OTHER_TASK_CELL = ("arith_k1", 0.3, 0)  # a cell of another task, which the grammar view must leave out
+# (arm, coef, instance) of the grid cells, run as today's DVC stages name them; "none" is the no-KL baseline. Tags as
+# pipelines/ppo.py sets them (cell_axes).
+CELLS = [("reward_k1", 0.03, 100), ("reward_k1", 0.03, 101), ("loss_k1", 0.03, 100), ("loss_k3", 0.03, 100),
+         ("none", 0.0, 100)]  # fmt: skip
+OTHER_TASK_CELL = ("reward_k3", 0.1, 200)  # a cell of another task (arithmetic), which the grammar view leaves out
+RERUN = ("loss_k1", 0.03, 100)  # run twice: the first run stays in the store, superseded, out of the saved view
 EVAL_KEYS = ["gold", "proxy", "kl", "entropy", "length", "illegal"]  # rlhf/evaluate.py
 TRAIN_KEYS = ["kl_coef", "pg_loss", "vf_loss", "score", "gold_train"]
 ITERATIONS = 7  # eval steps per cell
@@ -53,6 +56,7 @@ RUN_LINK = 'a[href$="#/experiments/{exp_id}/runs/{run_id}"]'  # run-name cell of
 CHART_CARD = '[data-testid="experiment-view-compare-runs-card"]'  # one chart card (chart view, model-metrics tab)
 PLOT_POINT = ".js-plotly-plot .scatterlayer path.point"  # plotly marker of one logged step
 PLOT_LINE = ".js-plotly-plot .scatterlayer path.js-line"  # plotly line of one trace
+EXPAND = 'button[data-component-id$="runnamecellrenderer.tsx_46"]'  # the +/- before a parent run's name
 CLOSE_ASSISTANT = '[data-component-id="mlflow.assistant.chat_panel.close"]'  # side panel, only for screenshots
 
 if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
@@ -66,9 +70,14 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
+def stage_of(arm: str, coef: float, instance: int) -> str:
+    task = "arithmetic" if instance >= 200 else "grammar"
+    return f"{task}_baseline@{instance}-0" if arm == "none" else f"{task}_design@{instance}-{arm}-coef-0"
+
+
 def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
     """Made-up but typical curves: without KL gold rises then falls as KL grows; other arms differ a little."""
-    strength = {"none": 0.0, "reward_k1": 1.0, "loss_k1": 0.6, "loss_k2": 0.8, "arith_k1": 0.9}[arm]
+    strength = {"none": 0.0, "reward_k1": 1.0, "loss_k1": 0.6, "loss_k3": 0.8, "reward_k3": 0.9}[arm]
     evals, history = [], []
     for i in range(ITERATIONS):
         kl = (0.4 + 0.6 * (1 - strength)) * i * i / 4
@@ -84,8 +93,13 @@ def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> dict:
-    """A sqlite store with one finished run per stage: sft, the CELLS, and analysis (logged from the committed
-    reports/). Returns {"db", "dir", "experiment_id", "runs": {stage: run_id}}."""
+    """A sqlite store as one sweep (`make repro`) leaves it: the sweep's run, each task's group run under it, and one
+    finished run per stage under its task's group: an SFT run, the CELLS (RERUN twice: its first run superseded),
+    another task's cell, and the analysis (logged from the committed reports/, with a metrics.json made from its
+    stats.json as the analysis stage makes it). Returns {"db", "dir", "experiment_id", "runs": {stage: run_id},
+    "superseded": run_id, "sweep": run_id}."""
+    import json
+
     from pipelines import analysis, tracking
 
     tmp = tmp_path_factory.mktemp("mlflow_ui")
@@ -94,33 +108,53 @@ def store(tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
         mp.setattr(tracking, "ROOT", tmp)  # artifact location
-        with tracking.stage_run("sft", EXPERIMENT, {"sft": {"steps": 40}}) as (client, rid):
+        client, exp_id = tracking.experiment_client(EXPERIMENT)
+        sweep = client.create_run(exp_id, run_name="sweep 2026-12-03 08:00:00", tags={"sweep": "runner"}).info.run_id
+        mp.setenv(tracking.PARENT_ENV, sweep)
+        tags = {"task": "grammar", "instance": 100, "kind": "sft"}
+        with tracking.stage_run("grammar_sft@100", EXPERIMENT, {"sft": {"steps": 40}}, tags=tags) as (client, rid):
             tracking.log_metrics(client, rid, [{"step": i, "train_loss": 3 / (1 + i)} for i in range(40)], "", "step")
-            runs["sft"] = rid
-        for k, (arm, coef, seed) in enumerate([*CELLS, OTHER_TASK_CELL]):
-            stage = f"baseline@{seed}" if arm == "none" else f"ppo@{arm}-{coef}-{seed}"
+            runs["grammar_sft@100"] = rid
+        for k, (arm, coef, instance) in enumerate([RERUN, *CELLS, OTHER_TASK_CELL]):
+            stage = stage_of(arm, coef, instance)
+            placement = "none" if arm == "none" else arm.split("_")[0]
             tags = {
-                "task": "arithmetic" if (arm, coef, seed) == OTHER_TASK_CELL else "grammar",
+                "task": "arithmetic" if instance >= 200 else "grammar",
+                "kind": "baseline" if arm == "none" else "fixed",
+                "role": "-" if arm == "none" else "coef",
+                "instance": instance,
+                "seed": 0,
                 "arm": arm,
                 "coef": coef,
-                "seed": seed,
                 "target": "reference",
-                "placement": "reward",
+                "placement": placement,
+                "estimator": arm[-2:] if arm != "none" else "-",
             }
             with tracking.stage_run(stage, EXPERIMENT, {"ppo": {"iterations": 30}}, tags=tags) as (client, rid):
                 evals, history = cell_curves(arm, k)
                 tracking.log_metrics(client, rid, history, prefix="train/")
                 tracking.log_metrics(client, rid, evals, prefix="eval/")
                 tracking.log_final(client, rid, {"final_gold": evals[-1]["gold"], "final_kl": evals[-1]["kl"]})
+                if stage in runs:
+                    superseded = runs[stage]
                 runs[stage] = rid
         reports = tmp / "reports"
         shutil.copytree(REPO / "reports" / "grammar", reports)  # one task's analysis outputs
+        st = json.loads((reports / "stats.json").read_text())
+        proto = json.loads((REPO / "protocol" / "grammar.json").read_text())
+        metrics = analysis.headline_metrics(list(st["primary"].values()), st["headline"], st["budget"],
+                                            st["n_instances"], proto)  # fmt: skip
+        (reports / analysis.METRICS).write_text(json.dumps(metrics))
         written = sorted(p for p in reports.rglob("*") if p.is_file())
-        with tracking.stage_run("analysis", EXPERIMENT, {"analysis": {"metric": "final_gold"}}) as (client, rid):
+        config = {"analysis": {"metric": "final_gold"}}
+        with tracking.stage_run("grammar_analysis", EXPERIMENT, config, tags={"task": "grammar"}) as (client, rid):
             analysis.log_to_mlflow(client, rid, reports, written)
-            runs["analysis"] = rid
-    exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
-    return {"db": db, "dir": tmp, "experiment_id": exp_id, "runs": runs}
+            runs["grammar_analysis"] = rid
+        client.set_terminated(sweep, "FINISHED")
+        groups = {r.data.tags[tracking.TASK_GROUP_TAG]: r.info.run_id
+                  for r in client.search_runs([exp_id], f"tags.{tracking.TASK_GROUP_TAG} IS NOT NULL")}  # fmt: skip
+    return {"db": db, "dir": tmp, "experiment_id": exp_id, "runs": runs, "superseded": superseded, "sweep": sweep,
+            "groups": groups}  # fmt: skip
 
 
 def free_port() -> int:
@@ -237,19 +271,38 @@ def drawn_cards(driver, n: int, has_lines: bool = True):
 
 
 def test_runs_table_lists_stage_runs_under_the_description(store, mlflow_ui, browser):
-    """The runs table lists each stage's run by name; above it, the description's first line points to the
-    report and links the training-curves view."""
+    """The runs table opens on the sweep's run, its task group runs nested under it (named after the task) and each
+    stage's run under its task's group; above it, the description's first line points to the report and links the
+    training-curves view."""
     from pipelines import tracking
 
     exp_id, runs = store["experiment_id"], store["runs"]
     wait = WebDriverWait(browser, PAGE_S)
     browser.get(mlflow_ui + RUNS_PAGE.format(exp_id=exp_id))
+    link = wait.until(
+        lambda d: d.find_element(By.CSS_SELECTOR, RUN_LINK.format(exp_id=exp_id, run_id=store["sweep"])),
+        "no link to the sweep's run in the runs table",
+    )
+    assert link.text.strip().startswith("sweep ")
+
+    def run_link(run_id):
+        return wait.until(lambda d: d.find_element(By.CSS_SELECTOR, RUN_LINK.format(exp_id=exp_id, run_id=run_id)),
+                          f"no link to run {run_id} in the runs table")  # fmt: skip
+
+    def expand(link):
+        cell = link.find_element(By.XPATH, "./ancestor::div[@role='gridcell']")
+        browser.execute_script("arguments[0].click();", cell.find_element(By.CSS_SELECTOR, EXPAND))
+
+    expand(link)  # the sweep's run: one run per task under it
+    assert {t: run_link(rid).text.strip() for t, rid in store["groups"].items()} == {
+        "grammar": "grammar",
+        "arithmetic": "arithmetic",
+    }
+    expand(run_link(store["groups"]["grammar"]))  # the task's run: its stage runs, the superseded one kept
     for stage, run_id in runs.items():
-        link = wait.until(
-            lambda d, rid=run_id: d.find_element(By.CSS_SELECTOR, RUN_LINK.format(exp_id=exp_id, run_id=rid)),
-            f"no link to run {stage} ({run_id}) in the runs table",
-        )
-        assert link.text.strip() == stage
+        if stage.startswith("grammar"):
+            assert run_link(run_id).text.strip() == stage
+    assert run_link(store["superseded"]).text.strip() == stage_of(*RERUN)
     curves = wait.until(
         lambda d: d.find_element(By.LINK_TEXT, "grammar"), "no link to the grammar curves in the description"
     )
@@ -260,16 +313,18 @@ def test_runs_table_lists_stage_runs_under_the_description(store, mlflow_ui, bro
     screenshot(browser, store, "runs_table.png")
 
 
-def test_default_chart_view_opens_on_the_held_out_curves(store, mlflow_ui, browser):
-    """The chart view as MLflow builds it by default (alphabetical sections, "Model metrics" last) starts with
-    the eval/* curves: the analysis run adds no section of its own before them (it used to add 81 bar charts)."""
+def test_default_chart_view_opens_on_the_sweeps_answer(store, mlflow_ui, browser):
+    """The chart view as MLflow builds it by default draws the runs of the table: the sweep's run, its runs folded
+    under it. So it opens on the sweep's answer, one bar chart per primary question's estimate (and the number of
+    instances), not on one chart per comparison; the training curves are in each task's saved view."""
     exp_id = store["experiment_id"]
     browser.get(mlflow_ui + RUNS_PAGE.format(exp_id=exp_id) + "&compareRunsMode=CHART")
-    n = len(EVAL_KEYS)
-    cards = WebDriverWait(browser, PAGE_S).until(
-        lambda d: drawn_cards(d, n), f"the chart view does not open on {n} drawn line charts"
+    WebDriverWait(browser, PAGE_S).until(
+        lambda d: drawn_cards(d, 3, has_lines=False), "the chart view does not open on the sweep's estimates"
     )
-    assert [card_title(c) for c in cards] == sorted(f"eval/{k}" for k in EVAL_KEYS)
+    titles = [card_title(c) for c in browser.find_elements(By.CSS_SELECTOR, CHART_CARD) if card_title(c)]
+    assert "grammar_Q1_estimate" in titles, titles  # the cards in view (the page draws those it shows)
+    assert all(t.startswith("grammar_") and t.endswith(("_estimate", "_n_instances")) for t in titles), titles
     screenshot(browser, store, "default_chart_view.png")
 
 
@@ -293,6 +348,8 @@ def test_curves_view_shows_gold_and_kl_first_grouped_by_arm(store, mlflow_ui, br
     page = browser.find_element(By.TAG_NAME, "body").text
     groups = [line for line in page.splitlines() if line.startswith("Group:")]  # the runs list, grouped by task, arm
     assert all(any(arm in g for g in groups) for arm in arms), groups
+    lines = page.splitlines()
+    assert lines[lines.index(f"Group: {RERUN[0]}") + 1] == "1"  # its superseded first run is left out
     other = OTHER_TASK_CELL[0]
     assert other not in legend and not any(other in g for g in groups), (legend, groups)  # one task's runs only
     assert "Training curves by arm: grammar" in page  # the saved view's name, on the Views button
@@ -302,7 +359,7 @@ def test_curves_view_shows_gold_and_kl_first_grouped_by_arm(store, mlflow_ui, br
 
 def test_run_metrics_tab_draws_every_logged_step(store, mlflow_ui, browser):
     """A run's "Model metrics" tab draws eval/gold with one marker per logged iteration."""
-    exp_id, stage = store["experiment_id"], "ppo@reward_k1-0.1-0"
+    exp_id, stage = store["experiment_id"], stage_of(*CELLS[0])
     browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{store['runs'][stage]}/model-metrics")
 
     def gold_card(d):
@@ -321,7 +378,7 @@ def test_analysis_run_shows_the_comparisons_as_a_table(store, mlflow_ui, browser
     verdict first; and the run carries a few headline scalars, not one metric per comparison."""
     from mlflow.tracking import MlflowClient
 
-    exp_id, run_id = store["experiment_id"], store["runs"]["analysis"]
+    exp_id, run_id = store["experiment_id"], store["runs"]["grammar_analysis"]
     comparisons = pd.read_csv(REPO / "reports" / "grammar" / "comparisons.csv")
     browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{run_id}/artifacts/comparisons.json")
     first = comparisons["label"].iloc[0]
@@ -333,7 +390,11 @@ def test_analysis_run_shows_the_comparisons_as_a_table(store, mlflow_ui, browser
     assert headers[:2] == ["label", "verdict"], headers
     screenshot(browser, store, "comparisons_table.png")
 
-    run = MlflowClient(tracking_uri=f"sqlite:///{store['db']}").get_run(run_id)
-    assert run.data.tags["headline"]
-    assert 0 < len(run.data.metrics) < len(comparisons)
+    client = MlflowClient(tracking_uri=f"sqlite:///{store['db']}")
+    run = client.get_run(run_id)
+    assert run.data.tags["headline"] == "matters" and run.data.tags["Q1_verdict"]
+    assert {"Q1_estimate", "Q1_lo", "Q1_hi", "Q1_n", "beta", "margin_gold"} <= set(run.data.metrics)
     assert not any("/" in key for key in run.data.metrics)  # filed under "Model metrics", after the curves
+    sweep = client.get_run(store["sweep"])  # the sweep's run carries each task's headline and links to the report
+    assert sweep.data.tags["grammar_headline"] == "matters" and "grammar_Q2_estimate" in sweep.data.metrics
+    assert f"runs/{run_id}/artifacts/report.md" in sweep.data.tags["mlflow.note.content"]

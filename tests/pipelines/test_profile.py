@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,38 @@ def test_an_edit_killed_before_its_rename_leaves_a_temporary_file_the_runner_rem
     assert len(left) == 1 and (repo / "params.yaml").read_bytes() == before
     assert [p.name for p in clean_temp(repo)] == left
     assert not [p for p in repo.iterdir() if p.name.startswith(".params.yaml")]
+
+
+def test_a_profile_keeps_params_yaml_layout(repo):
+    """A shorter one-line list stays on one line with its comment next to it (not a block list with the comment at
+    column 131); new lists and arms are written on one line, as params.yaml writes them."""
+    shutil.copy(ROOT / "profiles" / "variants.yaml", repo / "profiles")
+    apply("variants", repo / "params.yaml", repo / "profiles")
+    lines = (repo / "params.yaml").read_text().splitlines()
+    inst = [line for line in lines if line.lstrip().startswith("instances: [100,")]
+    assert len(inst) == 2 and all(line.index("# EVALUATION") < 60 for line in inst), inst
+    assert "    loss_k3_is: {target: reference, placement: loss, estimator: k3, is_weight: true}" in lines
+    assert "      at: [20, 40]" in lines and "  coefs: [0.1]  # exploratory fixed cells" in "\n".join(lines)
+    assert not any(line.strip() == "- 100" for line in lines)
+
+
+def test_reset_restores_params_reports_and_lock_from_the_last_commit(tmp_path, monkeypatch):
+    from pipelines.profile import RESET_PATHS, reset
+
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], check=True)
+    for p in ("params.yaml", "dvc.lock", "reports/grammar/report.md"):
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p).write_text(f"committed {p}\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "default"], check=True)
+    for p in ("params.yaml", "dvc.lock", "reports/grammar/report.md"):
+        (tmp_path / p).write_text("after a profile\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    monkeypatch.setattr(sys, "executable", "true")  # `dvc checkout` stands in: no DVC repository here
+    reset()
+    for p in ("params.yaml", "dvc.lock", "reports/grammar/report.md"):
+        assert (tmp_path / p).read_text() == f"committed {p}\n"
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"  # nothing else touched
+    assert {"params.yaml", "dvc.lock", "reports"} <= set(RESET_PATHS)

@@ -114,14 +114,14 @@ def write_params(repo: Path, params: dict) -> None:
 
 
 def visible_runs(repo: Path, experiment: str = "e2e") -> dict[str, list]:
-    """The MLflow runs of ``repo`` by DVC stage (each sweep's parent run left out)."""
+    """The current MLflow runs of ``repo`` by DVC stage (superseded runs, sweep and task group runs left out)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name(experiment)
     runs: dict[str, list] = {}
     for r in client.search_runs([exp.experiment_id], max_results=1000):
-        if "dvc_stage" in r.data.tags:  # a stage's run (the sweep's parent run has none)
+        if "dvc_stage" in r.data.tags and "superseded" not in r.data.tags:  # a stage's current run
             runs.setdefault(r.data.tags["dvc_stage"], []).append(r)
     return runs
 
@@ -135,12 +135,13 @@ def drop_idle_tasks(repo: Path, params: dict) -> None:
         return
     doc = yaml.safe_load((repo / "dvc.yaml").read_text())  # merge keys resolved
     doc["stages"] = {k: v for k, v in doc["stages"].items() if not k.startswith(tuple(f"{t}_" for t in idle))}
+    doc["plots"] = [p for p in doc.get("plots", []) if not next(iter(p)).startswith(tuple(f"{t}_" for t in idle))]
     (repo / "dvc.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=4096))
 
 
 def make_repo(repo: Path, params: dict) -> Path:
     """A git + DVC repository in ``repo`` with this one's code (rlhf, ablations, pipelines, dvc.yaml) and ``params``."""
-    code = ("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvcignore")
+    code = ("rlhf/", "pipelines/", "ablations/", ".dvc/config", ".dvc/plots/", ".dvcignore")
     copy_code(repo, code, names=("dvc.yaml", ".gitignore"))
     write_params(repo, params)
     drop_idle_tasks(repo, params)
