@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablations.section import ModelParams
+from ablations.section import PACKAGED, ModelParams
 from pipelines import cpu
 from pipelines.cpu import THREADS_ENV
 from rlhf.model import ScalarModel, TinyLM, default_device
@@ -29,6 +29,11 @@ def data_path(task: str, instance: int) -> Path:
 def model_path(task: str, instance: int, name: str) -> Path:
     """models/<task>/<instance>/<name>.pt, name 'sft' or 'rm'."""
     return Path("models") / task / str(instance) / f"{name}.pt"
+
+
+def pretrained_path(name: str) -> Path:
+    """models/pretrained/<name>: packaged model ``name``, converted by stage pretrained@<name>."""
+    return Path("models") / "pretrained" / name
 
 
 def metrics_path(task: str, instance: int, name: str) -> Path:
@@ -166,8 +171,11 @@ def build_lm(model: ModelParams, vocab_size: int, max_len: int) -> tuple[nn.Modu
 
     h = model.hf
     if h.pretrained is not None:
-        ids = hf.token_ids_from_tokenizer(h.pretrained, h.tokens) if h.tokens is not None else None
-        lm = hf.from_pretrained(h.pretrained, ids)
+        path = pretrained_path(h.pretrained) if h.pretrained in PACKAGED else h.pretrained
+        if h.pretrained in PACKAGED and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} not found: convert it first (dvc repro pretrained@{h.pretrained})")
+        ids = hf.token_ids_from_tokenizer(path, h.tokens) if h.tokens is not None else None
+        lm = hf.from_pretrained(path, ids)
     else:
         lm = hf.from_config(
             h.family, vocab_size, max_len, model.d_model, model.n_layers, model.n_heads, h.intermediate_size
