@@ -9,8 +9,9 @@ from importlib import metadata
 import pytest
 
 from ablations import section
-from pipelines import run
-from tests.ablations.test_validation import files, text_of
+from tests.ablations.test_validation import (
+    test_refused_before_any_file_is_written_in_one_line_naming_the_key as refused,
+)
 
 TOKENS = ["<|endoftext|>", "<|im_end|>", *"0123456789", "+", "-", "="]
 SMOL = {"family": None, "intermediate_size": None, "pretrained": "smollm2-135m", "tokens": TOKENS, "bf16": False}
@@ -88,15 +89,7 @@ def test_refused_before_any_file_is_written_in_one_line(
     tmp_path, monkeypatch, capsys, installed, what, have, change, words
 ):
     installed |= have
-    (tmp_path / "params.yaml").write_bytes(text_of(change))
-    (tmp_path / ".dvc").mkdir()
-    monkeypatch.chdir(tmp_path)
-    before = files(tmp_path)
-    assert run.main(["--workers", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: params.yaml:"), err
-    assert words in err, err
-    assert files(tmp_path) == before
+    refused(tmp_path, monkeypatch, capsys, what, change, words)  # the runner's check, as for every other key
 
 
 def test_a_complete_install_validates(installed):
