@@ -40,6 +40,7 @@ def test_runner_converts_the_listed_models_before_any_upstream_chain(monkeypatch
 
 def test_sft_model_builder_refuses_a_packaged_model_not_yet_converted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    model = ModelParams.model_construct(backend="hf", d_model=576, n_layers=30, n_heads=9, hf=argparse.Namespace(**SMOL))
+    hf = argparse.Namespace(**SMOL)  # validated elsewhere: here only the builder's own check
+    model = ModelParams.model_construct(backend="hf", d_model=576, n_layers=30, n_heads=9, hf=hf)
     with pytest.raises(FileNotFoundError, match=r"models/pretrained/smollm2-135m not found: convert it first"):
         build_lm(model, 15, 11)
