@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from ablations.config import read_yaml
-from tests.conftest import repo_params
+from tests.conftest import merged, repo_params
 from tests.pipelines.tiny import REPO, TINY, make_repo, sh
 
 pytestmark = pytest.mark.slow
@@ -40,10 +40,7 @@ def real_lm_params() -> dict:
             "ppo": {"iterations": 2, "batch_size": 4, "minibatch_size": 4, "epochs": 1, "eval_every": 1, "lr": 2e-5},
         },
     }
-    p = repo_params(TINY)
-    for key, value in tiny.items():
-        p[key] = {**p[key], **value} if isinstance(value, dict) else value
-    return p
+    return repo_params(merged(TINY, tiny))
 
 
 def locked_md5(repo, stage: str) -> str:
