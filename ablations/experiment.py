@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from ablations.section import STRICT, PPODefaults, Seed, TaskSection, _distinct
+from ablations.section import PACKAGED, STRICT, PPODefaults, Seed, TaskSection, _distinct, check_packaged
 from ablations.tasks import TASKS
 from rlhf.config import Estimator, KLConfig, PPOConfig
 
@@ -216,10 +216,23 @@ class _Sections(BaseModel):
 
     model_config = STRICT
 
+    @field_validator("pretrained", check_fields=False)  # the field is Experiment's (below)
+    @classmethod
+    def _packaged(cls, names):
+        """Each a packaged model (ablations.section.PACKAGED) whose install is complete, once."""
+        return [check_packaged(n) for n in _distinct("packaged model", names)]
+
     @model_validator(mode="after")
     def _cross(self):
         if not self.tasks():
             raise ValueError(f"no task runs: give at least one of {', '.join(TASKS)} instances")
+        for task, section in self.tasks().items():  # a task starts from a packaged model its stage converts
+            name = section.model.hf.pretrained if section.model.hf is not None else None
+            if name in PACKAGED and name not in self.pretrained:
+                raise ValueError(
+                    f"{task}.model.hf.pretrained: {name!r} is a packaged model: list it in 'pretrained' too (its "
+                    f"conversion stage pretrained@{name})"
+                )
         m = self.grid.matched
         for name, arm in self.grid.arms.items():  # each cell must be a valid KLConfig
             for task, section in self.tasks().items():
@@ -250,6 +263,7 @@ Experiment = create_model(
     "ablations.config.Params (ablations/protocol_params.py).",
     **{name: (spec.section, Field()) for name, spec in TASKS.items()},
     grid=(Grid, Field()),
+    pretrained=(list[str], Field(description="packaged models the pretrained@<name> stage converts (PACKAGED)")),
     analysis=(dict, Field()),
     mlflow=(MLflowParams, Field()),
 )

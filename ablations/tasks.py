@@ -129,6 +129,16 @@ class ArithmeticParams(TaskSection):
     def vocab(self) -> int:
         return 16  # 10 digits, +, -, =, BOS, EOS, PAD (an estimate is enough)
 
+    @model_validator(mode="after")
+    def _tokens(self):
+        hf = self.model.hf
+        if hf is not None and hf.tokens is not None and len(hf.tokens) != 15:
+            raise ValueError(
+                "model.hf.tokens must list BOS, EOS, the digits 0-9, '+', '-' and '=' "
+                f"(15 tokens; got {len(hf.tokens)})"
+            )
+        return self
+
 
 # The TOST margin of a metric must be below its plausible range, or everything is "equivalent": accuracies and
 # shares are in [0, 1], so at most 0.5 (half the range); grammar gold and proxy are word qualities ~ N(0, 1) per

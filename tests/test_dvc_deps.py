@@ -33,8 +33,8 @@ def import_closure(entry: str) -> set[Path]:
 def stage_groups() -> list[tuple[str, str, list[Path]]]:
     """(name, cmd, deps) of one stage per dvc.yaml entry (a matrix group's stages share their cmd template and
     deps), as DVC resolves them. Resolved with the repository's params.yaml plus one exploratory coefficient and
-    KL target per task: params.yaml leaves those lists empty, and DVC generates no stage from an empty matrix, so
-    the exploratory groups would otherwise go unchecked."""
+    KL target per task and one packaged model: params.yaml leaves those lists empty, and DVC generates no stage
+    from an empty matrix, so the exploratory and conversion groups would otherwise go unchecked."""
     import shutil
     import tempfile
 
@@ -47,6 +47,7 @@ def stage_groups() -> list[tuple[str, str, list[Path]]]:
     p = repo_params()
     for task in TASKS:
         p[task]["coefs"], p[task]["kl_targets"] = [0.1], [2.0]
+    p["pretrained"] = ["smollm2-135m"]  # the packaged models' conversion stage (none by default)
     groups = {}
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(REPO / "dvc.yaml", Path(tmp) / "dvc.yaml")

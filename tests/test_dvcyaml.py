@@ -25,7 +25,8 @@ def test_every_registered_task_has_its_stages_and_rm_stages_only_with_a_reward_m
         assert (f"{task}_rm" in stages) == (f"{task}_calibration_rm" in stages) == spec.learned_reward
         rm_deps = [d for s, e in stages.items() if s.startswith(f"{task}_") for d in e.get("deps", []) if "rm.pt" in d]
         assert bool(rm_deps) == spec.learned_reward
-    assert len(stages) == sum(len(dvcyaml.STAGES) - 2 * (not s.learned_reward) for s in TASKS.values())
+    assert len(stages) == 1 + sum(len(dvcyaml.STAGES) - 2 * (not s.learned_reward) for s in TASKS.values())
+    assert stages["pretrained"]["matrix"] == {"name": "${pretrained}"}  # the one stage not per task
 
 
 def test_check_refuses_a_stale_file_in_one_line(tmp_path):

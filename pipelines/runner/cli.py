@@ -154,7 +154,10 @@ class Sweep:
             b.close()
 
     def upstream(self) -> None:
-        """The stale upstream chains (data -> sft -> rm), all of them before any cell."""
+        """The packaged models' conversions, then the stale upstream chains (data -> sft -> rm), all of them before
+        any cell. No SFT stage depends on a conversion in DVC's graph (pipelines/dvcyaml.py PRETRAINED says why)."""
+        if self.params.pretrained:
+            dvc(["repro", *(f"pretrained@{name}" for name in self.params.pretrained)], self.env, self.sig)
         chains = upstream_chains(self.params, evaluation=not self.args.calibration_only)
         ups = plan.stale_chains(chains, self.env, self.sig)
         if not ups:

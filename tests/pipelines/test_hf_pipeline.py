@@ -114,7 +114,9 @@ def test_pretrained_directory_in_params_yaml_loads_through_build_lm(tmp_path, ma
     task_tokens = ["<s>", "</s>", *[f"w{i}" for i in range(n_words)]] if mapped else None
     path, saved = pretrained_dir(tmp_path, vocab + 20 if mapped else vocab, task_tokens)
     source = {"family": None, "intermediate_size": None, "pretrained": str(path), "tokens": task_tokens, "bf16": True}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(hf_params(hf=source), sort_keys=False))
+    params = hf_params(hf=source)
+    params["arithmetic"]["model"] = copy.deepcopy(HF_LLAMA)  # grammar's words are not arithmetic's 15 tokens
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     model_params = load_params(tmp_path / "params.yaml").grammar.model  # the file as the stages read it
 
     lm, arch = build_lm(model_params, vocab, max_len)

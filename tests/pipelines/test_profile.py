@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ablations.config import ParamsError, load_params
+from ablations.config import ParamsError, load_params, read_yaml
 from pipelines.profile import apply, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,18 @@ def test_unknown_profile_lists_the_known_ones(repo, capsys, monkeypatch):
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
 def test_shipped_profiles_apply_to_the_default_params(repo, profile):
+    """Each applies and validates; a real-model profile without the real-model extra (`make test` installs none,
+    `make test-all` does) is refused in one line that says how to install it, leaving params.yaml as it was."""
+    from ablations.section import missing_extra
+
     shutil.copy(ROOT / "profiles" / f"{profile}.yaml", repo / "profiles")
+    packaged = read_yaml(repo / "profiles" / f"{profile}.yaml").get("pretrained", [])
+    if any(missing_extra(name) for name in packaged):
+        text = (repo / "params.yaml").read_text()
+        with pytest.raises(ParamsError, match=r"pretrained.*make install-real"):
+            apply(profile, repo / "params.yaml", repo / "profiles")
+        assert (repo / "params.yaml").read_text() == text
+        return
     assert apply(profile, repo / "params.yaml", repo / "profiles")  # changes something, validates
 
 

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import json
 
 import pytest
 import torch
@@ -138,6 +139,117 @@ def test_restricted_vocab_logits_are_the_full_models_logits_at_the_task_ids(tmp_
     with torch.no_grad():
         assert torch.equal(again(tokens), got)
     assert again.config.task_token_ids == token_ids
+
+
+# --- a real model's restriction keeps the exact KL exact (issue 31) ---------------------------------------------------
+
+
+def exact_kl_over_task_tokens(full_policy, full_ref, token_ids, prompts, responses) -> torch.Tensor:
+    """Mean over prompts of sum_t m_t sum_i p_i log(p_i / q_i), i over the task's tokens: p and q the *full*
+    models' next-token distributions at ``token_ids`` renormalised (softmax over those logits), in float64, one
+    explicit term per task token. Task token sequences are mapped to model ids first."""
+    ids, n = torch.tensor(token_ids), prompts.shape[1]
+    seq = ids[torch.cat([prompts, responses], 1)]  # (b, p + t) model ids
+    with torch.no_grad():
+        lp = full_policy(seq).logits[:, n - 1 : -1, token_ids].double().log_softmax(-1)  # (b, t, 15)
+        lq = full_ref(seq).logits[:, n - 1 : -1, token_ids].double().log_softmax(-1)
+    kl = torch.zeros(lp.shape[:2], dtype=torch.float64)
+    for i in range(len(token_ids)):
+        kl += lp[..., i].exp() * (lp[..., i] - lq[..., i])
+    return (kl * response_mask(responses)).sum(1).mean()
+
+
+def assert_restricted_kl_is_the_exact_task_sum(full_ref, token_ids, task, prompts, seed=0, move=0.5) -> float:
+    """The policy is ``full_ref`` with the first block's MLP output weights moved (noise of ``move`` x their mean
+    absolute value); both are restricted to the task's
+    tokens as a pretrained model is (``restrict_vocab``, then ``HFLM``); the evaluation's exact KL of the restricted
+    pair (``rlhf.evaluate.measure``, the number every report shows) equals ``exact_kl_over_task_tokens`` of the full
+    pair on the same sampled responses. Returns that KL."""
+    from rlhf.evaluate import measure
+
+    full_policy = copy.deepcopy(full_ref).eval()
+    with torch.no_grad():
+        w = full_policy.get_decoder().layers[0].mlp.down_proj.weight
+        w.add_(move * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)))
+    policy = hf.HFLM(hf.restrict_vocab(copy.deepcopy(full_policy), token_ids)).eval()
+    ref = hf.HFLM(hf.restrict_vocab(copy.deepcopy(full_ref), token_ids)).eval()
+    assert policy.config.vocab_size == len(token_ids) == task.vocab_size
+    kl = measure(policy, ref, None, task, prompts, 1.0, seed)["kl"]
+    g = torch.Generator().manual_seed(seed)  # measure's own draws, again
+    with torch.no_grad():
+        responses = generate(policy, prompts, task.max_new_tokens, 1.0, g, EOS)
+    assert responses.min() >= 0 and responses.max() < task.vocab_size  # only the task's tokens are ever sampled
+    expected = exact_kl_over_task_tokens(full_policy, full_ref.eval(), token_ids, prompts, responses).item()
+    assert kl > 1e-4, kl  # a real difference between the two models, not 0 = 0
+    assert kl == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    return kl
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_restricted_models_exact_kl_is_the_sum_over_the_15_arithmetic_tokens(tied):
+    from rlhf.arithmetic import build_arithmetic
+
+    from ..conftest import ARITHMETIC
+
+    fields = {k: v for k, v in ARITHMETIC.items() if k != "split_seed"}  # the instance seed is the split seed
+    data = build_arithmetic(0, **fields, n_demos=4, n_train_prompts=4, n_eval_prompts=24)
+    torch.manual_seed(0)
+    config = hf.causal_lm_config("llama", 60, 16, 16, 2, 2, 32)  # a "pretrained" vocabulary larger than the task's
+    config.num_key_value_heads, config.tie_word_embeddings = 1, tied  # grouped-query attention, as SmolLM2
+    config.initializer_range = 0.5  # weights large enough for distributions far from uniform
+    full = AutoModelForCausalLM.from_config(config)
+    token_ids = [0, 2, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 27, 29, 45]  # SmolLM2's ids of the 15 tokens
+    assert_restricted_kl_is_the_exact_task_sum(full, token_ids, data["task"], data["eval_prompts"])
+
+
+# --- GGUF conversion: the directory's bytes depend on the weights only ---------------------------------------------
+
+
+def test_save_pretrained_stable_writes_the_same_bytes_twice_with_sorted_json(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), bos_token="<s>")
+    lm = AutoModelForCausalLM.from_config(hf.causal_lm_config("llama", 5, 16, 16, 1, 2, 32))
+    for d in ("a", "b"):
+        hf.save_pretrained_stable(lm, tok, tmp_path / d)
+    files = sorted(f.name for f in (tmp_path / "a").iterdir())
+    assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    config = (tmp_path / "a" / "config.json").read_text()
+    assert config == json.dumps(json.loads(config), indent=2, sort_keys=True) + "\n"
+    again = hf.from_pretrained(tmp_path / "a", None)
+    tokens = random_prompts(3) % 5
+    with torch.no_grad():
+        assert torch.equal(again(tokens), lm.eval()(tokens).logits)
+
+
+def test_from_gguf_drops_the_quantisation_from_the_config_it_saves(monkeypatch):
+    """A GGUF-loaded config carries ``quantization_config``; a directory saved with it would be read as still
+    quantised. from_gguf copies the weights into a fresh model of the config without it (and without the source
+    path), keeping tied embeddings tied."""
+    config = hf.causal_lm_config("llama", 5, 16, 16, 1, 2, 32)
+    config.tie_word_embeddings = True
+    loaded = AutoModelForCausalLM.from_config(config)
+    loaded.config.quantization_config = {"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False}
+    loaded.config._name_or_path = "/somewhere/on/the/converting/machine"
+    calls = {}
+
+    def fake_from_pretrained(directory, gguf_file, **kw):
+        calls["model"] = (directory, gguf_file, kw.get("local_files_only"))
+        return loaded
+
+    monkeypatch.setattr(hf.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(hf.AutoTokenizer, "from_pretrained", lambda directory, gguf_file, **kw: "tokenizer")
+    lm, tok = hf.from_gguf("/pkg", "m.gguf")
+    assert calls["model"] == ("/pkg", "m.gguf", True) and tok == "tokenizer"
+    assert lm is not loaded and not hasattr(lm.config, "quantization_config") and lm.config._name_or_path == ""
+    assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(lm.state_dict()[k], v), k
 
 
 def test_restrict_vocab_rejects_repeated_or_out_of_range_ids():
