@@ -19,7 +19,7 @@ from ablations.grid import Cell, calibration_cells, evaluation_cells, upstream_c
 from pipelines import runner, tracking
 from pipelines.cpu import THREADS_ENV
 from pipelines.runner import mlflow_runs, plan
-from pipelines.runner.dvccli import check_interpreter, stage_env
+from pipelines.runner.dvccli import check_interpreter, dvc, stage_env
 from pipelines.runner.local import LocalPool
 from pipelines.runner.ray import RayPool
 from pipelines.runner.record import Recorder, check_stale
