@@ -128,13 +128,13 @@ def test_a_cell_whose_params_changed_is_left_stale_with_one_line(repo, capsys):
 
     grid = cells(load_params())
     recorder = record.Recorder({}, every_s=0)
-    recorder.add(grid[0], None)  # params.yaml changed while it ran
+    recorder.add(grid[0], {"params": None, "files": {}})  # params.yaml changed while the cell read it
     assert recorder.waiting == [] and recorder.stale == [grid[0].stage]
     assert (
         capsys.readouterr().out
-        == f"not recorded: {grid[0].stage}: params.yaml changed after it started; it stays stale\n"
+        == f"not recorded: {grid[0].stage}: params.yaml changed while it was read; it stays stale\n"
     )
-    with pytest.raises(RunnerError, match=r"^params.yaml changed while the runner ran: 1 finished cells were left"):
+    with pytest.raises(RunnerError, match=r"^params.yaml or a protocol file changed while the runner ran: 1 finished"):
         record.check_stale(recorder)
     log = f"{lockfile.REFUSED}{grid[1].stage}: grammar.ppo changed after it started\nsomething else\n"
     assert lockfile.refused(log) == [grid[1].stage]
