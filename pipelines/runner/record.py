@@ -30,9 +30,11 @@ class Recorder:
         self.last = float("-inf")
         self.retried = False  # a commit killed by a signal is retried once
 
-    def add(self, cell: Cell, ran_with: dict | None) -> None:
-        """Queues a finished cell for recording (``ran_with``: pipelines/runner/worker.py ``ran_with``), unless
-        params.yaml changed while the cell read it."""
+    def add(self, cell: Cell, ran_with: dict | str | None) -> None:
+        """Queues a finished cell for recording (``ran_with``: pipelines/runner/worker.py ``ran_with``; a bare string
+        is the params.yaml text alone), unless params.yaml changed while the cell read it."""
+        if isinstance(ran_with, str):
+            ran_with = {"params": ran_with, "files": {}}
         if ran_with is None or ran_with.get("params") is None:
             return self._left_stale(f"{cell.stage}: params.yaml changed while it was read")
         self.ran_with[cell.stage] = ran_with
