@@ -23,7 +23,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ablations.experiment import Experiment, ParamsError, load_experiment, spec_of
-from ablations.grid import Cell, find_cell, protocol_path, resolve
+from ablations.grid import ROLE_CELL, Cell, find_cell, protocol_path, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
 from pipelines.common import (
@@ -84,7 +84,7 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
 def resolved(params: Experiment, cell: Cell) -> Cell:
     """``cell`` with its KL config: a design cell takes its role's value from the calibration (protocol/<task>.json,
     a dependency of its stage); a clear error if the calibration has not run."""
-    if cell.kind != "design":
+    if cell.kind not in ROLE_CELL:
         return cell
     path = protocol_path(cell.task)
     if not path.is_file():
