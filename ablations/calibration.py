@@ -34,6 +34,7 @@ Pure functions of DataFrames (ablations/load.py load_runs output): no I/O here.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -95,7 +96,7 @@ def choose_control(gold: pd.Series, coef: float, margin: float) -> tuple[float, 
     betas = list(g.index.astype(float))
     i = betas.index(coef)
     for side in (betas[i:], betas[: i + 1][::-1]):
-        for a, b in zip(side, side[1:]):
+        for a, b in itertools.pairwise(side):
             da, db = abs(g[a] - g[coef]), abs(g[b] - g[coef])
             if da < margin <= db:  # the curve crosses one margin between a and b: solve in log β
                 t = (margin - da) / (db - da)

@@ -14,9 +14,9 @@ from pathlib import Path
 from pydantic import model_validator
 
 from ablations.experiment import *  # noqa: F403 (the schema's names, for the callers of the whole params)
-from ablations.experiment import PARAMS_FILE, Experiment, ParamsError, validate
+from ablations.experiment import PARAMS_FILE, SHARED, Experiment, ParamsError, validate
 from ablations.protocol_params import *  # noqa: F403
-from ablations.protocol_params import AnalysisParams, check_metrics
+from ablations.protocol_params import NO_KL, AnalysisParams, check_metrics
 from ablations.section import *  # noqa: F403
 from ablations.tasks import *  # noqa: F403
 
@@ -59,7 +59,9 @@ class Params(Experiment):
                         continue
                     for role in levels if pr.role == "levels" else [pr.role]:
                         if (arm, role) not in cells:
-                            raise ValueError(f"analysis.{kind}.{q}: needs the design cell '{arm}-{role}' in grid.design")
+                            raise ValueError(
+                                f"analysis.{kind}.{q}: needs the design cell '{arm}-{role}' in grid.design"
+                            )
         for name, section in self.tasks().items():
             n, seq = len(section.instances), a.sequential
             if n % seq.batch_size or n > seq.max_cap:

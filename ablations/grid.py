@@ -185,7 +185,9 @@ def plan_cells(params: Experiment) -> list[Cell]:
     g, out = params.grid, []
     for task, section in params.tasks().items():
         for i in section.calibration.plan_instances:
-            out += [Cell(task, "plan_baseline", i, BASELINE, s, cell_config(params, task, BASELINE, s)) for s in g.seeds]
+            out += [
+                Cell(task, "plan_baseline", i, BASELINE, s, cell_config(params, task, BASELINE, s)) for s in g.seeds
+            ]
             for group, arm, role in g.design_cells():
                 out += [Cell(task, "plan", i, arm, s, None, role=role, design_group=group) for s in g.seeds]
     return out

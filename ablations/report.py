@@ -215,7 +215,7 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         "### Q1 Restraint",
         "",
         f"Per instance, log(final exact KL / no-KL final exact KL); *restrains* when the mean is shown below "
-        f"−{tp.min_log_kl_reduction:.3g} (the arm at least {1 - math.exp(-tp.min_log_kl_reduction):.0%} below no "
+        f"−{tp.margins['log_kl']:.3g} (the arm at least {1 - math.exp(-tp.margins['log_kl']):.0%} below no "
         f"KL), *does not restrain* when shown above it (one-sided t-tests at α = {p.alpha:g}, Holm within each "
         "coefficient).",
         "",
@@ -296,9 +296,11 @@ def task_stats(tr: TaskResults, res: Results) -> dict:
             "headline": tr.headline,
             "n_instances": int(tr.runs.instance.nunique()),
             "n_runs": len(tr.runs),
-            "primary": {r["question"]: r for r in tr.primary},
+            "carried_by": tr.carried_by,
+            "primary": {r["comparison"]: r for r in tr.primary},
             "budget": tr.budget,
             "protocol": tr.protocol.get("frozen", {}),
+            "plan": tr.protocol.get("plan_frozen", {}),
             "amendments": tr.amendments,
             "positive_controls": {r.family: bool(r.pc_pass) for r in f.itertuples()},
             "collapse_rate": {f"{r.arm}/{r.kind}{lvl(r)}": r.rate for r in tr.collapse.itertuples()},

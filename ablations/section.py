@@ -4,6 +4,7 @@ has an ``rm`` section) is registered in ablations/tasks.py; ablations/experiment
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -194,7 +195,7 @@ class CalibrationParams(BaseModel):
     @field_validator("levels")
     @classmethod
     def _levels(cls, v):
-        if len(v) < 3 or any(not 0 < x < 1 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
+        if len(v) < 3 or any(not 0 < x < 1 for x in v) or any(b <= a for a, b in itertools.pairwise(v)):
             raise ValueError(f"must list at least 3 increasing fractions in (0, 1) (got {v})")
         return v
 

@@ -219,7 +219,7 @@ def methods(tr, p: AnalysisParams) -> list[str]:
         f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. "
         "Factorial effects: studentized sign-flip tests of within-instance contrasts.",
         f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; minimum log KL "
-        f"change {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
+        f"change {tp.margins['log_kl']:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
         f"{p.min_hit_rate:g}; collapse drop {tp.collapse_drop:.3g} (the gold margin); bimodality α "
         f"{p.bimodality_alpha:g}.",
         f"- {scale_words(tr.runs, tp.margins['gold'], p.reference_arm)}",
