@@ -179,8 +179,6 @@ class CalibrationParams(BaseModel):
     @field_validator("instances", "plan_instances")
     @classmethod
     def _instances(cls, v, info):
-        if not v:
-            raise ValueError("must list at least one task seed")
         return _distinct(info.field_name.replace("_", " ").rstrip("s"), v)
 
     @field_validator("coefs")
@@ -254,10 +252,12 @@ class TaskSection(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self):
-        if bool(self.instances) != bool(self.calibration.instances):
+        cal = self.calibration
+        if not bool(self.instances) == bool(cal.instances) == bool(cal.plan_instances):
             raise ValueError(
-                "instances and calibration.instances must both be empty (the task does not run) or both non-empty "
-                f"(got {len(self.instances)} and {len(self.calibration.instances)})"
+                "instances, calibration.instances and calibration.plan_instances must all be empty (the task does "
+                f"not run) or all non-empty (got {len(self.instances)}, {len(cal.instances)} and "
+                f"{len(cal.plan_instances)})"
             )
         cal = set(self.calibration.instances) | set(self.calibration.plan_instances)
         both = sorted(set(self.instances) & cal)

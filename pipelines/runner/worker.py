@@ -94,7 +94,7 @@ def upstream_stage(params, up: Upstream) -> dict:
 
     group, instance = up.stage.split("@")
     task, kind = group.rsplit("_", 1)
-    task = task.removesuffix("_calibration")  # grammar_calibration_sft@0: the grammar task's sft stage
+    task = task.removesuffix("_calibration").removesuffix("_plan")  # grammar_calibration_sft@0: grammar's sft stage
     mlflow_runs.ready(params.mlflow.experiment)
     start = time.perf_counter()
     try:
