@@ -68,8 +68,9 @@ def shift_median(d, delta: float) -> np.ndarray:
 
 
 def draws(n_rows: int, n_sims: int, size: int, seed: int) -> np.ndarray:
-    """Instance indices (n_sims, size), with replacement, seeded: every column of a trial comes from the same rows."""
-    return np.random.default_rng(seed).integers(0, n_rows, size=(n_sims, size))
+    """Instance indices (n_sims, size), with replacement, seeded. Drawn instance by instance, so a trial's first
+    instances are the same whatever ``size``: a cap of 24 sees the first 24 instances of the trials of a cap of 48."""
+    return np.random.default_rng(seed).integers(0, n_rows, size=(size, n_sims)).T
 
 
 def _rate(hits: np.ndarray) -> dict:
@@ -101,7 +102,9 @@ def rates(decided: dict[float, dict], margin: float) -> list[dict]:
     return out
 
 
-def _rows(comp: Comparison, idx: np.ndarray) -> dict:
+def resample(comp: Comparison, idx: np.ndarray) -> dict:
+    """The trials' rows from instance indices idx (n_sims, size): ``d`` (shifted to median 0), ``control``,
+    ``nokl`` (n_sims, size) or None -- each trial's columns from the same instances."""
     take = lambda v: None if v is None else np.asarray(v, dtype=float)[idx]
     return {"d": shift_median(comp.d, 0.0)[idx], "control": take(comp.control), "nokl": take(comp.nokl)}
 
@@ -121,7 +124,7 @@ def deltas(margin: float, beyond: float = 1.1) -> list[float]:
 def error_table(comp: Comparison, schedule: R.Schedule, *, n_sims: int = 4000, seed: int = 0, beyond: float = 1.1):
     """The rates of the whole rule (controls in) at Δ = 0, ±m, ±beyond·m, ±2m on resampled instances (records,
     see rates())."""
-    rows = _rows(comp, draws(len(comp.d), n_sims, schedule.cap, seed))
+    rows = resample(comp, draws(len(comp.d), n_sims, schedule.cap, seed))
     return rates({dl: run_rule(comp, schedule, rows, dl) for dl in deltas(comp.margin, beyond)}, comp.margin)
 
 
@@ -194,7 +197,7 @@ def plan_cap(
     ``n_sims``."""
     if max_cap < batch_size:
         raise ValueError(f"max_cap {max_cap} is below the batch size {batch_size}")
-    rows = _rows(comp, draws(len(comp.d), n_sims, max_cap, seed))
+    rows = resample(comp, draws(len(comp.d), n_sims, max_cap, seed))
     delta = multiple * comp.margin
     out = {"cap": None, "at": max_cap, "power_pos": 0.0, "power_pos_se": 0.0, "power_neg": 0.0, "power_neg_se": 0.0}
     last = None

@@ -113,6 +113,7 @@ def table(records: list[dict]) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--extract", action="store_true", help="rebuild the fixture from reports/<task>/runs.csv")
+    ap.add_argument("--fixture", type=Path, default=FIXTURE, help="the residuals (default: the committed fixture)")
     ap.add_argument("--sims", type=int, default=4000, help="trials per Δ (new rule)")
     ap.add_argument("--old-sims", type=int, default=2000, help="trials per Δ (v3 rule; 0 to skip)")
     ap.add_argument("--plan-sims", type=int, default=2000, help="trials per cap in the sample-size plan")
@@ -122,13 +123,17 @@ def main() -> None:
     ap.add_argument("--caps", type=int, nargs="+", default=[24, 48], help="caps of the level table")
     ap.add_argument("--max-cap", type=int, default=200, help="largest cap the plan may choose")
     ap.add_argument("--questions", nargs="*", help='e.g. "arithmetic Q3" (default: all six)')
+    ap.add_argument("--smoke", action="store_true", help="one question, tiny sizes (the test of this script)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sims, args.old_sims, args.plan_sims, args.k, args.caps, args.max_cap = 100, 50, 50, [9], [12], 12
+        args.questions = ["arithmetic Q3"]
     if args.extract:
         frame = extract()
-        FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(FIXTURE, index=False, float_format="%.17g")
-        print(f"wrote {FIXTURE.relative_to(ROOT)} ({len(frame)} rows)")
-    frame = pd.read_csv(FIXTURE)
+        args.fixture.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.fixture, index=False, float_format="%.17g")
+        print(f"wrote {args.fixture} ({len(frame)} rows)")
+    frame = pd.read_csv(args.fixture)
     print(describe(frame).round(3).to_string(), "\n")
     comps, bare = comparisons(frame), comparisons(frame, checks=False)
     names = args.questions or list(comps)
@@ -164,7 +169,8 @@ def main() -> None:
             )
     print(f"\n{time.perf_counter() - t0:.1f} s")
     OUT.mkdir(exist_ok=True)
-    (OUT / "skew_simulation.json").write_text(json.dumps(out, indent=1, default=float))
+    (OUT / "skew_simulation.json").write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {OUT / 'skew_simulation.json'}")
 
 
 if __name__ == "__main__":
