@@ -287,7 +287,9 @@ def outcome(x, margin: float, a: float) -> dict:
 
 def label(verdict: str, nonzero: bool = False) -> str:
     """The report's text for a verdict: "equivalent; a non-zero difference inside the margin" for a non-zero
-    equivalence, the inert and insensitive sentences, else the verdict itself."""
+    equivalence; the inert and insensitive sentences (an equivalence withheld by a check), with "; non-zero (the CI
+    excludes 0)" when its (1 - a) CI excludes 0 -- that claim needs no check; else the verdict itself."""
     if verdict == EQUIVALENT and nonzero:
         return NONZERO_EQUIVALENT
-    return LABELS.get(verdict, verdict)
+    text = LABELS.get(verdict, verdict)
+    return f"{text}; non-zero (the CI excludes 0)" if nonzero and verdict in LABELS else text

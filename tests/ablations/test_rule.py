@@ -150,6 +150,10 @@ def test_decide_takes_the_first_settling_look():
         T.EQUIVALENT, True, 3, 12, 3.0, "settled")  # fmt: skip
     d = R.decide([_look(1, T.NONZERO), _look(2, T.EQUIVALENT, acts=False, nonzero=True)])
     assert (d["verdict"], d["settled"], d["open"], d["status"], d["nonzero"]) == (T.INERT, False, True, "open", True)
+    assert T.label(d["verdict"], d["nonzero"]) == (
+        "the penalty is inert here: placement is not testable at this β; non-zero (the CI excludes 0)"
+    )
+    assert T.label(T.INSENSITIVE) == "insensitive: the margin-sized positive control was not detected"
     d = R.decide([_look(1, T.INCONCLUSIVE), _look(2, T.NONZERO, final=True)])
     assert (d["verdict"], d["settled"], d["open"], d["cap_reached"], d["status"]) == (
         T.NONZERO, False, False, True, "unsettled at cap")  # fmt: skip
