@@ -113,7 +113,7 @@ class Schedule:
 def _prefixes(x, length: int, name: str) -> np.ndarray | None:
     if x is None:
         return None
-    x = T._as_data(x)
+    x = T.as_data(x)
     if x.shape[-1] != length:
         raise ValueError(f"{name} has {x.shape[-1]} instances, the comparison {length}")
     return x
@@ -140,7 +140,7 @@ def path(
     (None without that check). Verdicts come from prefix counts (comparisons only), identical to signtest.outcome."""
     if not margin > 0:
         raise ValueError(f"margin must be > 0 (got {margin})")
-    d = T._as_data(d)
+    d = T.as_data(d)
     length = d.shape[-1]
     if length > schedule.cap:
         raise ValueError(f"{length} instances exceed the cap of {schedule.cap}")
@@ -175,7 +175,7 @@ def path(
         look["acts"] = (
             None if e_counts is None else T.beyond_counts(*(e[..., n - 1] for e in e_counts), k2, nokl_direction)
         )
-        looks.append({key: T._scalar(v) for key, v in look.items()})
+        looks.append({key: T.scalar(v) for key, v in look.items()})
     return looks
 
 
@@ -187,7 +187,7 @@ def effective_verdict(look: dict):
     blind = np.zeros(v.shape, bool) if look.get("control_detected") is None else ~np.asarray(look["control_detected"])
     inert = np.zeros(v.shape, bool) if look.get("acts") is None else ~np.asarray(look["acts"])
     out = np.where(equivalent & blind, T.INSENSITIVE, np.where(equivalent & inert, T.INERT, v))
-    return T._scalar(out.astype(T._WIDTH))
+    return T.scalar(out.astype(T._WIDTH))
 
 
 _DECIDED = ("j", "n", "a_j", "nonzero", "side", "estimate", "lo", "hi", "lo90", "hi90", "control_detected", "acts")
@@ -214,10 +214,10 @@ def decide(looks: list[dict]) -> dict:
     cap_reached = bool(looks[-1]["final"])
     out = {"verdict": pick(verdicts), "settled": settled}
     for key in _DECIDED:
-        vals = [look[key] for look in looks]
+        vals = [look.get(key) for look in looks]  # v3 looks (ablations/sequential.py) have no side or acts
         out[key] = None if any(v is None for v in vals) else pick(vals)
     out["cap_reached"] = cap_reached
     out["open"] = ~settled & (not cap_reached)
     out["status"] = np.where(settled, "settled", "unsettled at cap" if cap_reached else "open")
     out["looks"] = len(looks)
-    return {key: T._scalar(v) for key, v in out.items()}
+    return {key: T.scalar(v) for key, v in out.items()}

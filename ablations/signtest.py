@@ -119,7 +119,7 @@ def reachable(n: int, a: float) -> bool:
 # ---------------------------------------------------------------- helpers
 
 
-def _as_data(x) -> np.ndarray:
+def as_data(x) -> np.ndarray:
     x = np.asarray(x, dtype=float)
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError("need data of shape (..., n) with n >= 1")
@@ -128,7 +128,7 @@ def _as_data(x) -> np.ndarray:
     return x
 
 
-def _scalar(v):
+def scalar(v):
     """0-d arrays and numpy scalars to Python scalars (1-d input gives plain floats, bools and strings)."""
     if isinstance(v, np.ndarray) and v.ndim == 0:
         return v.item()
@@ -157,9 +157,9 @@ def sorted_median(xs: np.ndarray) -> np.ndarray:
 def bounds(x, a: float) -> tuple:
     """One-sided (1 - a) bounds (x_(k), x_(n+1-k)), k = rank(n, a), of the median of x (..., n); together the
     (1 - 2a) CI. Coverage >= 1 - a each for independent data with common median θ (module docstring)."""
-    x = _as_data(x)
+    x = as_data(x)
     lo, hi = order_bounds(np.sort(x, axis=-1), rank(x.shape[-1], a))
-    return _scalar(lo), _scalar(hi)
+    return scalar(lo), scalar(hi)
 
 
 def median_ci(x, level: float) -> tuple:
@@ -178,7 +178,7 @@ def sign_p(x, delta=0.0, alternative: str = "two-sided"):
     """Exact sign-test p-value of H0: median = ``delta`` (broadcast over the leading axes of x (..., n)):
     "greater" (H1: θ > δ) F(#{x_i <= δ}), "less" F(#{x_i >= δ}), "two-sided" min(1, 2 min(both)); F the
     Binomial(n, 1/2) CDF; ties at δ count against H1. Inverts bounds() and median_ci() exactly."""
-    x = _as_data(x)
+    x = as_data(x)
     n = x.shape[-1]
     d = np.asarray(delta, dtype=float)[..., None]
     greater = _binom_cdf(n, (x <= d).sum(axis=-1))
@@ -191,7 +191,7 @@ def sign_p(x, delta=0.0, alternative: str = "two-sided"):
         p = np.minimum(1.0, 2 * np.minimum(greater, less))
     else:
         raise ValueError(f"alternative must be 'greater', 'less' or 'two-sided' (got {alternative!r})")
-    return _scalar(p)
+    return scalar(p)
 
 
 def _check_direction(direction: int) -> None:
@@ -222,8 +222,8 @@ def beyond(x, a: float, direction: int, threshold: float = 0.0):
     ``direction`` · ``threshold``: +1 x_(k) > t, -1 x_(n+1-k) < -t (k = rank(n, a)); 0 never (a calibrated direction
     of 0 can never be confirmed)."""
     _check_direction(direction)
-    x = _as_data(x)
-    return _scalar(beyond_counts(*side_counts(x, threshold), rank(x.shape[-1], a), direction))
+    x = as_data(x)
+    return scalar(beyond_counts(*side_counts(x, threshold), rank(x.shape[-1], a), direction))
 
 
 def detected(x, a: float, direction: int):
@@ -275,14 +275,14 @@ def outcome(x, margin: float, a: float) -> dict:
     ``nonzero``, ``side`` (classify())."""
     if not margin > 0:
         raise ValueError(f"margin must be > 0 (got {margin})")
-    x = _as_data(x)
+    x = as_data(x)
     n = x.shape[-1]
     k1, k2 = rank(n, a / 2), rank(n, a)
     xs = np.sort(x, axis=-1)
     (lo, hi), (lo90, hi90) = order_bounds(xs, k1), order_bounds(xs, k2)
     out = {"n": n, "k1": k1, "k2": k2, "estimate": sorted_median(xs), "lo": lo, "hi": hi, "lo90": lo90, "hi90": hi90}
     out |= classify(margin_counts(x, margin), k1, k2)
-    return {key: _scalar(v) for key, v in out.items()}
+    return {key: scalar(v) for key, v in out.items()}
 
 
 def label(verdict: str, nonzero: bool = False) -> str:
