@@ -5,15 +5,21 @@ Vectorised over leading axes like the rest of the statistics (d of shape (..., L
 runs thousands of sequential trials through exactly this code.
 
 Schedule. Looks at n_j = batch_size · j, j = 1..J, J = cap // batch_size; the cap is the comparison's own (its
-sample-size plan). The comparison's share alpha_q is spent only on looks where a decision is reachable, equally:
-look j can reach "material" at level a only if the two-sided test at n_j can reach a/2 on one side, 2^-n_j <= a/2.
-The set of reachable looks depends on the level, so the level is a fixed point: with f(r) the number of looks
-reachable at alpha_q / r, spend alpha_q / r* on the last r* looks, r* = max{r : f(r) >= r}. f is non-increasing
-and the reachable looks are always the last ones (larger n), so every one of those r* looks is reachable at
-alpha_q / r*, the levels sum to alpha_q, and f(r*) = r* (an exact fixed point) whenever one exists; if f jumps
-over the diagonal, the earliest look that was reachable only at the coarser split spends 0. Every other look
-spends a_j = 0 and can only be "inconclusive" (it is shown, with its level 0). No reachable look: the comparison
-can never be decided (``Schedule.decidable`` False).
+sample-size plan). The comparison's share alpha_q is spent only on looks where a decision is reachable: look j can
+reach "material" at level a only if the two-sided test at n_j can reach a/2 on one side, 2^-n_j <= a/2. The set of
+reachable looks depends on the level, so it is a fixed point: with f(r) the number of looks reachable at
+alpha_q / r, the reachable set is the last r* looks, r* = max{r : f(r) >= r} (f is non-increasing and the reachable
+looks are always the last ones, larger n). Every other look spends 0 and can only be "inconclusive" (it is shown,
+with its level 0). No reachable look: the comparison can never be decided (``Schedule.decidable`` False).
+
+What a look costs is what its exact test ATTAINS, not its nominal level: the sign test's levels are discrete, so at
+nominal a the bounds attain c_j = max(2 F_n(k1 - 1), F_n(k2 - 1)) <= a (k1 = rank(n_j, a/2), k2 = rank(n_j, a),
+F_n the Binomial(n_j, 1/2) CDF; the first term bounds a wrong material or non-zero claim, the second a wrong
+equivalence). The reachable looks are taken in order and each gets an equal share of what is left: a_j = B_j / R_j,
+B_j the budget left (alpha_q minus the costs of the earlier reachable looks), R_j the reachable looks from j on;
+then B_{j+1} = B_j - c_j(a_j). The unattained part of a look's share carries forward to the later looks (the last
+look gets the whole remainder), so sum_j c_j <= alpha_q, and the union bound below holds with c_j in place of a_j.
+The levels depend only on n_j and alpha_q, never on the data: they are fixed before any look.
 
 A look (signtest.outcome at a_j): "material difference", "equivalent" (with ``nonzero``), "non-zero, materiality
 undetermined" or "inconclusive". Rules on equivalence, at the same look and a_j, each check optional (None when the
@@ -33,9 +39,9 @@ Error control under any stopping (union bound over looks). Let θ be the true me
 the one-sided (1 - a) bounds at look j (signtest: P(L_j(a) > θ) <= a and P(U_j(a) < θ) <= a for any independent
 d_i with median θ). Every wrong claim needs some look's bound on the wrong side of θ:
 * "material" when |θ| <= m: some look has L_j(a_j/2) > m >= θ or U_j(a_j/2) < -m <= θ; probability
-  <= Σ_j (a_j/2 + a_j/2) = alpha_q.
-* "equivalent" when θ >= m: some look has U_j(a_j) < m <= θ; probability <= Σ_j a_j = alpha_q (θ <= -m: L_j(a_j)
-  > -m >= θ, the same).
+  <= Σ_j 2 F(k1_j - 1) <= Σ_j c_j <= alpha_q (the bounds attain F(k1_j - 1) each, Schedule).
+* "equivalent" when θ >= m: some look has U_j(a_j) < m <= θ; probability <= Σ_j F(k2_j - 1) <= Σ_j c_j <= alpha_q
+  (θ <= -m: L_j(a_j) > -m >= θ, the same).
 * "non-zero" (a material difference, a non-zero verdict, or an equivalence flagged non-zero) when θ = 0: some look
   has L_j(a_j/2) > 0 or U_j(a_j/2) < 0; probability <= alpha_q.
 Every claim of any kind, at any θ: for |θ| < m the wrong claims (material either way, non-zero on the wrong side)
@@ -63,7 +69,8 @@ from ablations import signtest as T
 @dataclass(frozen=True)
 class Schedule:
     """One comparison's looks n_j = batch_size · j (j = 1..J, J = cap // batch_size) and levels a_j: alpha (this
-    comparison's share alpha_q) spent equally on the looks where a decision is reachable, 0 elsewhere."""
+    comparison's share alpha_q) spent on the looks where a decision is reachable, each an equal share of what the
+    earlier looks left unattained (module docstring), 0 elsewhere."""
 
     batch_size: int
     cap: int
@@ -85,20 +92,31 @@ class Schedule:
         return self.batch_size * np.arange(1, self.J + 1)
 
     @functools.cached_property
-    def _levels(self) -> np.ndarray:
+    def _reachable_count(self) -> int:
+        """r*: the largest r whose equal split alpha / r reaches r looks (they are the last r)."""
         n = self.looks()
-        for r in range(self.J, 0, -1):  # the largest r whose split alpha / r reaches r looks
-            a = self.alpha / r
-            if sum(T.reachable(int(nj), a / 2) for nj in n) >= r:
-                out = np.zeros(self.J)
-                out[self.J - r :] = a
-                out.setflags(write=False)
-                return out
-        return np.zeros(self.J)
+        for r in range(self.J, 0, -1):
+            if sum(T.reachable(int(nj), self.alpha / r / 2) for nj in n) >= r:
+                return r
+        return 0
+
+    @functools.cached_property
+    def _levels(self) -> np.ndarray:
+        out, r = np.zeros(self.J), self._reachable_count
+        budget = self.alpha
+        for i, j in enumerate(range(self.J - r, self.J)):
+            out[j] = budget / (r - i)
+            budget -= cost(int(self.looks()[j]), float(out[j]))
+        out.setflags(write=False)
+        return out
 
     def levels(self) -> np.ndarray:
-        """a_j, j = 1..J: alpha / r* on the last r* looks, 0 elsewhere (sums to alpha, or 0 if not decidable)."""
+        """a_j, j = 1..J: the nominal level of each look (0 on the unreachable ones)."""
         return self._levels.copy()
+
+    def costs(self) -> np.ndarray:
+        """c_j, j = 1..J: the level each look's exact test attains at a_j (``cost``); their sum is <= alpha."""
+        return np.array([cost(int(n), float(a)) for n, a in zip(self.looks(), self._levels)])
 
     def reachable(self, j: int) -> bool:
         """Whether look j (1-based) can reach a decision at its level: a_j > 0 and 2^-n_j <= a_j / 2."""
@@ -108,6 +126,15 @@ class Schedule:
     def decidable(self) -> bool:
         """Whether any look can reach a decision."""
         return bool(self._levels.any())
+
+
+def cost(n: int, a: float) -> float:
+    """The most a look at n instances and nominal level a can err with: max(2 F_n(k1 - 1), F_n(k2 - 1)) (material
+    or non-zero: both one-sided (1 - a/2) bounds; equivalence: one (1 - a) bound), k1 = rank(n, a/2), k2 =
+    rank(n, a); 0 for a = 0."""
+    if a <= 0:
+        return 0.0
+    return max(2 * T.attained(n, T.rank(n, a / 2)), T.attained(n, T.rank(n, a)))
 
 
 def _prefixes(x, length: int, name: str) -> np.ndarray | None:

@@ -15,50 +15,63 @@ ALPHA9 = 0.05 / 9
 
 
 def test_schedule_by_hand():
-    """alpha_q = 0.05/9, batch 4. Cap 24 (6 looks): split over 6, 5 looks a/2 reaches 2^-12 but not 2^-8, so only
-    n >= 12 (4 looks) qualify; over 4 looks a/2 = 0.000694 >= 2^-12 still: a_j = alpha/4 on n = 12..24, 0 on 4, 8.
-    Cap 48: n = 12 needs alpha/(2r) >= 2^-12, r <= 11; 10 looks (n = 12..48) qualify: alpha/10 each. Cap 4 at
-    0.01: 2^-4 > 0.005, nothing is decidable. Catches: alpha spent on looks that cannot decide, an unsolved fixed
-    point (alpha/J on the reachable looks: underspent), spending that does not sum to alpha_q."""
+    """alpha_q = 0.05/9, batch 4. Cap 24 (6 looks): split over 6 or 5 looks a/2 reaches 2^-12 but not 2^-8, so only
+    n >= 12 (4 looks) qualify. Look n = 12 gets alpha/4 = 0.001389: k1 = rank(12, 0.000694) = 1 (F(0) = 2^-12),
+    k2 = rank(12, 0.001389) = 1, so it attains max(2 / 4096, 1 / 4096) = 0.000488; the rest carries forward: n = 16
+    gets (alpha - 0.000488) / 3, and so on, the last look all that is left. Cap 4 at 0.01: 2^-4 > 0.005, nothing is
+    decidable. Catches: alpha spent on looks that cannot decide, nominal levels counted instead of attained ones
+    (the unattained budget lost), attained costs that exceed alpha_q."""
     s = R.Schedule(4, 24, ALPHA9)
-    np.testing.assert_allclose(s.levels(), [0, 0] + [ALPHA9 / 4] * 4)
+    lv, c = s.levels(), s.costs()
+    assert lv[:2].tolist() == [0, 0] and lv[2] == pytest.approx(ALPHA9 / 4)
+    assert c[2] == pytest.approx(2 / 4096)
+    assert lv[3] == pytest.approx((ALPHA9 - 2 / 4096) / 3)
+    assert lv[5] == pytest.approx(ALPHA9 - c[2:5].sum())  # the last look: the whole remainder
+    assert all(c <= lv + 1e-18) and c.sum() <= ALPHA9 + 1e-15
     assert [s.reachable(j) for j in range(1, 7)] == [False, False, True, True, True, True]
-    assert s.levels().sum() == pytest.approx(ALPHA9) and s.decidable
+    assert s.decidable
     np.testing.assert_array_equal(s.looks(), [4, 8, 12, 16, 20, 24])
-    s48 = R.Schedule(4, 48, ALPHA9)
-    np.testing.assert_allclose(s48.levels(), [0, 0] + [ALPHA9 / 10] * 10)
     assert not R.Schedule(4, 4, 0.01).decidable and R.Schedule(4, 4, 0.01).levels().sum() == 0
     assert R.Schedule(4, 4, 0.125).levels().tolist() == [0.125]  # 2^-4 = 0.0625 <= 0.125/2 exactly
     with pytest.raises(ValueError):
         R.Schedule(4, 2, 0.01)
 
 
-def _reference_levels(batch, cap, alpha):
+def test_cost_is_what_the_exact_test_attains():
+    """At n = 10, a = 0.05: k1 = rank(10, 0.025) = 2 (F(1) = 11/1024 <= 0.025 < F(2) = 56/1024), k2 = rank(10, 0.05)
+    = 2 (F(2) > 0.05): cost = max(2 x 11/1024, 11/1024)."""
+    assert R.cost(10, 0.05) == pytest.approx(22 / 1024)
+    assert R.cost(10, 0.0) == 0.0
+    for n in (4, 12, 24, 48):
+        for a in (1e-4, 0.001, 0.01, 0.05):
+            assert R.cost(n, a) <= a + 1e-15
+
+
+def _reference_reachable(batch, cap, alpha):
     """Independent slow fixed point: the largest r such that the r LAST looks are all reachable at alpha / r."""
     looks = [batch * j for j in range(1, cap // batch + 1)]
     for r in range(len(looks), 0, -1):
         if all(2.0**-n <= alpha / r / 2 for n in looks[-r:]):
-            return np.array([0.0] * (len(looks) - r) + [alpha / r] * r)
-    return np.zeros(len(looks))
+            return r
+    return 0
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
 def test_schedule_fixed_point_properties(batch):
-    """Over many caps and budgets: the levels equal the independent fixed point; they sum to alpha (or 0 when
-    nothing is decidable); every spending look is reachable at its level and none is spent on an unreachable one;
-    no larger set of looks could share alpha equally and all be reachable. Catches: spending by the reachability
-    at alpha / J, a non-suffix set, a fixed point that is not the largest."""
+    """Over many caps and budgets: the spending looks are the independent fixed point's; their attained costs sum to
+    at most alpha (all of it carried to the last look); every spending look is reachable at its level and none is
+    spent on an unreachable one; the levels never decrease (what one look leaves, the next gets). Catches: spending
+    by the reachability at alpha / J, a non-suffix set, attained costs above alpha."""
     for cap in range(batch, 64 + 1, batch):
         for alpha in (0.05 / 9, 0.05 / 5, 0.0125, 0.05, 1e-4):
             s = R.Schedule(batch, cap, alpha)
-            lv = s.levels()
-            np.testing.assert_allclose(lv, _reference_levels(batch, cap, alpha), rtol=1e-15)
-            assert lv.sum() == pytest.approx(alpha if s.decidable else 0.0)
+            lv, c = s.levels(), s.costs()
+            r = _reference_reachable(batch, cap, alpha)
+            assert int((lv > 0).sum()) == r
+            assert c.sum() <= alpha * (1 + 1e-12)
             spent = lv > 0
             assert all(s.reachable(j) == spent[j - 1] for j in range(1, s.J + 1))
-            r = int(spent.sum())
-            larger = [r2 for r2 in range(r + 1, s.J + 1) if all(2.0**-n <= alpha / r2 / 2 for n in s.looks()[-r2:])]
-            assert not larger
+            assert all(np.diff(lv[spent]) >= -1e-15)
 
 
 # ---------------------------------------------------------------- looks
