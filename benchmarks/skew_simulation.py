@@ -4,7 +4,7 @@ sample-size plan (the cap for 80% power to settle a 2-margin difference) for tho
 
     python benchmarks/skew_simulation.py                       # the table and the plans (about a minute)
     python benchmarks/skew_simulation.py --sims 20000          # tighter Monte Carlo SEs
-    python benchmarks/skew_simulation.py --extract             # rebuild the fixture from reports/<task>/runs.csv
+    python benchmarks/skew_simulation.py --extract             # rebuild the fixture from docs/protocol-v3/
 
 The fixture tests/ablations/data/v3_differences.csv holds, per task, question (Q2, Q3, Q4) and evaluation instance
 (100-123), the difference d, the margin-sized control c and the no-KL contrast e on final gold, with the margin and
@@ -38,12 +38,16 @@ CONTROL = (("reward_k1", "coef", "fixed"), ("reward_k1", "control", "fixed"))
 NO_KL = (("none", None, "baseline"), ("reward_k1", "coef", "fixed"))
 
 
+V3_RECORD = Path("docs/protocol-v3")
+
+
 def extract() -> pd.DataFrame:
-    """The fixture from the committed v3 reports (per instance, PPO seeds averaged as ablations/primary.py does)."""
+    """The fixture from v3's record (docs/protocol-v3: its reports and protocol files), per instance with PPO seeds
+    averaged as ablations/primary.py does."""
     rows = []
     for task in ("grammar", "arithmetic"):
-        runs = pd.read_csv(ROOT / "reports" / task / "runs.csv")
-        proto = json.loads((ROOT / "protocol" / f"{task}.json").read_text())
+        runs = pd.read_csv(ROOT / V3_RECORD / task / "runs.csv")
+        proto = json.loads((ROOT / V3_RECORD / task / "protocol.json").read_text())
 
         def diff(pair, runs=runs):
             (a, b) = (
@@ -112,7 +116,7 @@ def table(records: list[dict]) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--extract", action="store_true", help="rebuild the fixture from reports/<task>/runs.csv")
+    ap.add_argument("--extract", action="store_true", help="rebuild the fixture from docs/protocol-v3/")
     ap.add_argument("--fixture", type=Path, default=FIXTURE, help="the residuals (default: the committed fixture)")
     ap.add_argument("--sims", type=int, default=4000, help="trials per Δ (new rule)")
     ap.add_argument("--old-sims", type=int, default=2000, help="trials per Δ (v3 rule; 0 to skip)")
