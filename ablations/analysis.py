@@ -95,7 +95,7 @@ def analyse_task(
     task has none). ``protocol`` is judged (``judged``)."""
     tp = protocol.tasks[task]
     runs = runs.assign(log_kl=np.log(runs.final_kl.where(runs.final_kl > 0)))
-    prim = P.analyse(runs, task, protocol, calibrated, list(order))
+    prim = P.analyse(runs, evals, task, protocol, calibrated, calibrated["plan"], list(order))
     res = answer_questions(runs, task, protocol, tp)
     cells = D.cell_table(runs, task, protocol)
     return TaskResults(
@@ -107,6 +107,7 @@ def analyse_task(
         primary=prim["primary"],
         budget=prim["budget"],
         headline=prim["headline"],
+        carried_by=prim["carried_by"],
         comparisons=res["comparisons"],
         restraint=res["restraint"],
         families=res["families"],

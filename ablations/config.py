@@ -14,9 +14,9 @@ from pathlib import Path
 from pydantic import model_validator
 
 from ablations.experiment import *  # noqa: F403 (the schema's names, for the callers of the whole params)
-from ablations.experiment import PARAMS_FILE, Experiment, ParamsError, validate
+from ablations.experiment import PARAMS_FILE, SHARED, Experiment, ParamsError, validate
 from ablations.protocol_params import *  # noqa: F403
-from ablations.protocol_params import AnalysisParams, check_metrics
+from ablations.protocol_params import NO_KL, AnalysisParams, check_metrics
 from ablations.section import *  # noqa: F403
 from ablations.tasks import *  # noqa: F403
 
@@ -41,21 +41,33 @@ class Params(Experiment):
         a, g = self.analysis, self.grid
         if a.reference_arm not in g.calibration_arms:
             raise ValueError(f"grid.calibration_arms must include the reference arm {a.reference_arm!r}")
-        cells = set(g.design_cells())
-        for role in ("coef", "control"):
-            if (a.reference_arm, role) not in cells:
-                raise ValueError(f"grid.design must include '{a.reference_arm}-{role}' (the positive control)")
-        for q, pr in a.primary.items():
-            for arm in (pr.arm, pr.other):
-                role = "coef" if (pr.role == "tuned" and arm == a.reference_arm) else pr.role
-                if (arm, role) not in cells:
-                    raise ValueError(f"analysis.primary.{q}: needs the design cell '{arm}-{role}' in grid.design")
+        cells = {(arm, role) for _, arm, role in g.design_cells()}
+        shared = {(arm, role) for _, arm, role in g.design_cells(SHARED)}
+        for role in ("act", "control"):
+            if (a.reference_arm, role) not in shared:
+                raise ValueError(
+                    f"grid.design.{SHARED} must include '{a.reference_arm}-{role}' (the controls of every question)"
+                )
+        n_levels = {len(s.calibration.levels) for s in self.tasks().values()}
+        if len(n_levels) > 1:
+            raise ValueError(f"every task's calibration.levels must have the same length (got {sorted(n_levels)})")
+        levels = [f"level{k}" for k in range(1, (n_levels or {0}).pop() + 1)]
+        for kind, questions in (("primary", a.primary), ("checks", a.checks)):
+            for q, pr in questions.items():
+                for arm in (pr.arm, pr.other):
+                    if arm == NO_KL:
+                        continue
+                    for role in levels if pr.role == "levels" else [pr.role]:
+                        if (arm, role) not in cells:
+                            raise ValueError(
+                                f"analysis.{kind}.{q}: needs the design cell '{arm}-{role}' in grid.design"
+                            )
         for name, section in self.tasks().items():
             n, seq = len(section.instances), a.sequential
-            if n % seq.batch_size or n > seq.cap:
+            if n % seq.batch_size or n > seq.max_cap:
                 raise ValueError(
                     f"{name}.instances: {n} instances must be whole batches of analysis.sequential.batch_size "
-                    f"({seq.batch_size}), at most the cap ({seq.cap})"
+                    f"({seq.batch_size}), at most the max cap ({seq.max_cap})"
                 )
         check_metrics(self.analysis.tasks)
         return self

@@ -140,7 +140,22 @@ class MatchedParams(BaseModel):
     horizon: int = Field(gt=0, le=100_000_000, description="controller horizon (episodes)")
 
 
-ROLES = ("coef", "control", "tuned", "target")  # what the calibration stage fixes for a design cell (grid.design)
+# what the calibration stage fixes for a design cell (grid.design): ``act`` the reference arm's coefficient where
+# the penalty acts, ``control`` the margin-sized positive control's, ``tuned`` the arm's own best, ``level<k>``
+# steered to the k-th frontier KL level (1-based, <task>.calibration.levels)
+ROLES = ("act", "control", "tuned", "level")
+SHARED = "shared"  # the design group that runs on every evaluation instance (the controls and the reference cells)
+
+
+def split_entry(entry: str) -> tuple[str, str]:
+    """'<arm>-<role>' -> (arm, role); a level role keeps its index ('level2')."""
+    arm, _, role = entry.rpartition("-")
+    return arm, role
+
+
+def role_kind(role: str) -> str:
+    """The role's name without a level's index: 'level2' -> 'level'."""
+    return "level" if re.fullmatch(r"level[1-9][0-9]*", role) else role
 
 
 class Grid(BaseModel):
@@ -148,18 +163,21 @@ class Grid(BaseModel):
     calibration cells and the evaluation design.
 
     Calibration cells (each task's calibration instances): the no-KL baseline and every ``calibration_arms`` arm at
-    every ``<task>.calibration.coefs``. Evaluation cells (each task's ``instances``): the no-KL baseline, every
-    ``design`` entry ``<arm>-<role>`` (the arm at the value the calibration stage fixed for the role: ``coef`` the
-    reference arm's best coefficient, ``control`` the coefficient of the margin-sized positive control, ``tuned``
-    the arm's own best coefficient, ``target`` steered to the calibrated KL target), and, for exploration, every arm
-    at the task's ``coefs`` and ``kl_targets``. All x seeds."""
+    every ``<task>.calibration.coefs``. Evaluation cells (each task's ``instances``): the no-KL baseline and every
+    ``design`` entry ``<arm>-<role>`` (the arm at the value the calibration stage fixed for the role: ``act`` the
+    reference arm's coefficient where the penalty acts, ``control`` the margin-sized positive control's
+    coefficient, ``tuned`` the arm's own best coefficient, ``level<k>`` steered to the k-th frontier KL level),
+    grouped: the ``shared`` group runs on every evaluation instance, every other group on the instances
+    ``<task>.allocation`` gives it (``make settle`` stops a group once every primary comparison using its cells is
+    settled); and, for exploration, every arm at the task's ``coefs`` and ``kl_targets``. The planning instances
+    run every design entry once. All x seeds."""
 
     model_config = STRICT
     arms: dict[str, Arm]
     seeds: list[Seed]
     matched: MatchedParams
     calibration_arms: list[str] = Field(description="arms run at every calibration coefficient")
-    design: list[str] = Field(description="evaluation cells per instance and seed: '<arm>-<role>'")
+    design: dict[str, list[str]] = Field(description="evaluation cells by group: '<arm>-<role>' per instance/seed")
 
     @model_validator(mode="after")
     def _design(self):
@@ -167,21 +185,28 @@ class Grid(BaseModel):
             if a not in self.arms:
                 raise ValueError(f"grid.calibration_arms: {a!r} is not an arm; allowed: {', '.join(self.arms)}")
         _distinct("calibration arm", self.calibration_arms)
-        _distinct("design cell", self.design)
-        for entry in self.design:
-            arm, _, role = entry.rpartition("-")
-            if arm not in self.arms or role not in ROLES:
-                raise ValueError(
-                    f"grid.design: {entry!r} must be '<arm>-<role>' with an arm of grid.arms ({', '.join(self.arms)}) "
-                    f"and a role of {', '.join(ROLES)}"
-                )
-            if role == "tuned" and arm not in self.calibration_arms:
-                raise ValueError(f"grid.design: {entry!r} is tuned on calibration, so {arm} must be a calibration arm")
+        if SHARED not in self.design:
+            raise ValueError(f"grid.design must have a {SHARED!r} group (the cells every evaluation instance runs)")
+        _distinct("design cell", [e for cells in self.design.values() for e in cells])
+        for group, cells in self.design.items():
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", group) or len(group) > MAX_NAME:
+                raise ValueError(f"grid.design: group name {group[:80]!r} must match [a-z][a-z0-9_]*")
+            for entry in cells:
+                arm, role = split_entry(entry)
+                if arm not in self.arms or role_kind(role) not in ROLES:
+                    raise ValueError(
+                        f"grid.design.{group}: {entry!r} must be '<arm>-<role>' with an arm of grid.arms "
+                        f"({', '.join(self.arms)}) and a role of act, control, tuned, level<k>"
+                    )
+                if role == "tuned" and arm not in self.calibration_arms:
+                    raise ValueError(
+                        f"grid.design.{group}: {entry!r} is tuned on calibration, so {arm} must be a calibration arm"
+                    )
         return self
 
-    def design_cells(self) -> list[tuple[str, str]]:
-        """(arm, role) of every design entry, in order."""
-        return [tuple(e.rpartition("-")[::2]) for e in self.design]
+    def design_cells(self, group: str | None = None) -> list[tuple[str, str, str]]:
+        """(group, arm, role) of every design entry (of ``group`` only, if given), in order."""
+        return [(g, *split_entry(e)) for g, cells in self.design.items() if group in (None, g) for e in cells]
 
     @field_validator("arms")
     @classmethod
@@ -248,6 +273,21 @@ class _Sections(BaseModel):
                         section.ppo_config(arm.kl(**kl), 0, **arm.ppo_overrides())
                     except ValidationError as e:
                         raise ValueError(f"grid.arms.{name}: {_message(e.errors()[0])}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _allocation(self):
+        groups = sorted(g for g in self.grid.design if g != SHARED)
+        for task, section in self.tasks().items():
+            if sorted(section.allocation) != groups:
+                raise ValueError(
+                    f"{task}.allocation must give every design group but {SHARED!r} its instances: "
+                    f"{', '.join(groups) or 'none'} (got {', '.join(sorted(section.allocation)) or 'none'})"
+                )
+            n = len(section.calibration.levels)
+            for _, arm, role in self.grid.design_cells():
+                if role_kind(role) == "level" and not 1 <= int(role[5:]) <= n:
+                    raise ValueError(f"grid.design: {arm}-{role}: {task} has {n} calibration.levels (level1..{n})")
         return self
 
     def tasks(self) -> dict[str, TaskSection]:

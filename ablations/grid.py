@@ -6,11 +6,19 @@ For every task with instances (params.yaml ``grammar``, ...), every PPO seed s, 
     <task>_calibration_baseline@<c>-<s>                 the no-KL arm
     <task>_calibration@<c>-<arm>-<coef>-<s>             each calibration arm at each calibration coefficient
 
-then, after the stage ``<task>_calibrate`` has fixed the protocol (protocol/<task>.json), on its EVALUATION
-instances i (``<task>.instances``):
+then, after the stage ``<task>_calibrate`` has fixed the protocol (protocol/<task>.json), on its PLANNING
+instances p (``<task>.calibration.plan_instances``), whose noise the stage ``<task>_plan`` turns into each
+comparison's sample size (protocol/<task>.plan.json):
+
+    <task>_plan_baseline@<p>-<s>                        the no-KL arm
+    <task>_plan@<p>-<arm>-<role>-<s>                    every grid.design entry, of every group
+
+and then on its EVALUATION instances i (``<task>.instances``; a design group but ``shared`` only on the instances
+``<task>.allocation`` gives it):
 
     <task>_baseline@<i>-<s>                             the no-KL arm ("none")
-    <task>_design@<i>-<arm>-<role>-<s>                  each grid.design entry: the arm at its role's calibrated value
+    <task>_design@<i>-<arm>-<role>-<s>                  each grid.design.shared entry: the arm at its role's value
+    <task>_design_<group>@<i>-<arm>-<role>-<s>          each entry of design group <group>
     <task>_fixed@<i>-<arm>-<coef>-<s>                   exploratory: each arm at each of <task>.coefs
     <task>_matched@<i>-<arm>-<target>-<s>               exploratory: each arm steered to each of <task>.kl_targets
 
@@ -26,14 +34,16 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ablations.experiment import BASELINE, Experiment
+from ablations.experiment import BASELINE, SHARED, Experiment, role_kind
 from ablations.tasks import TASKS
 from rlhf.config import KLConfig, PPOConfig, no_kl
 
 RUNS_DIR = Path("runs")
 PROTOCOL_DIR = Path("protocol")
 CALIBRATION_KINDS = ("calibration_baseline", "calibration")
+PLAN_KINDS = ("plan_baseline", "plan")
 KINDS = ("baseline", "design", "fixed", "matched")
+ROLE_CELL = ("design", "plan")  # the kinds whose cells take their strength from a calibrated role
 
 
 def matrix_key(value) -> str:
@@ -62,8 +72,9 @@ class Cell:
     seed: int
     config: PPOConfig | None  # the run's whole config, built once here (``cell_config``)
     coef: float | None = None  # fixed and calibration cells (design cells once resolved)
-    kl_target: float | None = None  # matched cells (target-role design cells once resolved)
-    role: str | None = None  # design cells: coef | control | tuned | target
+    kl_target: float | None = None  # matched cells (level-role design cells once resolved)
+    role: str | None = None  # design and plan cells: act | control | tuned | level<k>
+    design_group: str | None = None  # design and plan cells: their grid.design group
 
     @property
     def kl(self) -> KLConfig | None:
@@ -71,14 +82,17 @@ class Cell:
 
     @property
     def group(self) -> str:
+        """The dvc.yaml stage group (matrix) of the cell."""
+        if self.kind in ROLE_CELL and self.design_group not in (None, SHARED):
+            return f"{self.task}_{self.kind}_{self.design_group}"
         return f"{self.task}_{self.kind}"
 
     @property
     def values(self) -> tuple:
         """The matrix values of the stage, in dvc.yaml's order."""
-        if self.kind in ("baseline", "calibration_baseline"):
+        if self.kind in ("baseline", "calibration_baseline", "plan_baseline"):
             return (self.instance, self.seed)
-        if self.kind == "design":
+        if self.kind in ROLE_CELL:
             return (self.instance, f"{self.arm}-{self.role}", self.seed)
         return (self.instance, self.arm, self.kl_target if self.kind == "matched" else self.coef, self.seed)
 
@@ -93,15 +107,25 @@ class Cell:
 
     @property
     def result_kind(self) -> str:
-        """The kind the analysis sees in summary.json: a design cell is a fixed cell (a coefficient) or, with role
-        target, a matched one; a calibration baseline is a baseline of the calibration."""
-        if self.kind == "design":
-            return "matched" if self.role == "target" else "fixed"
+        """The kind the analysis sees in summary.json: a design or plan cell is a fixed cell (a coefficient) or, with
+        a level role, a matched one; a calibration or plan baseline is itself."""
+        if self.kind in ROLE_CELL:
+            return "matched" if role_kind(self.role) == "level" else "fixed"
         return self.kind
 
     @property
     def calibration(self) -> bool:
         return self.kind in CALIBRATION_KINDS
+
+    @property
+    def plan(self) -> bool:
+        return self.kind in PLAN_KINDS
+
+    @property
+    def chain(self) -> str:
+        """The prefix of the upstream chain the cell's instance belongs to, as dvc.yaml names its stages
+        (``<task>_<chain>sft@<instance>``): "calibration_", "plan_" or ""."""
+        return "calibration_" if self.calibration else "plan_" if self.plan else ""
 
 
 def protocol_path(task: str) -> Path:
@@ -131,12 +155,20 @@ def read_protocol(path: Path) -> dict:
     )
 
 
+def plan_path(task: str) -> Path:
+    """Where the planning stage writes each comparison's sample size for ``task`` (a DVC output, kept in git)."""
+    return PROTOCOL_DIR / f"{task}.plan.json"
+
+
 def role_value(protocol: dict, arm: str, role: str) -> float:
-    """The calibrated value of a design role (protocol/<task>.json, ablations/calibration.py): the coefficient of
-    ``coef`` (the reference arm's best), ``control`` and ``tuned`` (``arm``'s own best), or the KL target."""
+    """The calibrated value of a design role (protocol/<task>.json, ablations/calibration.py): the coefficient
+    where the penalty acts (``act``), the positive control's (``control``), ``arm``'s own best (``tuned``), or the
+    k-th frontier KL level (``level<k>``)."""
     if role == "tuned":
         return float(protocol["tuned"][arm])
-    return float(protocol[{"coef": "coef", "control": "control_coef", "target": "kl_target"}[role]])
+    if role_kind(role) == "level":
+        return float(protocol["levels"][int(role[5:]) - 1])
+    return float(protocol[{"act": "coef", "control": "control_coef"}[role]])
 
 
 def cell_config(params: Experiment, task: str, arm: str, seed: int, coef: float = 0.0, target: float | None = None):
@@ -151,11 +183,11 @@ def cell_config(params: Experiment, task: str, arm: str, seed: int, coef: float 
 
 
 def resolve(cell: Cell, params: Experiment, protocol: dict) -> Cell:
-    """A design cell with its config, from the calibrated ``protocol``; any other cell unchanged."""
-    if cell.kind != "design":
+    """A design or plan cell with its config, from the calibrated ``protocol``; any other cell unchanged."""
+    if cell.kind not in ROLE_CELL:
         return cell
     value = role_value(protocol, cell.arm, cell.role)
-    if cell.role == "target":
+    if role_kind(cell.role) == "level":
         return replace(cell, config=cell_config(params, cell.task, cell.arm, cell.seed, target=value), kl_target=value)
     return replace(cell, config=cell_config(params, cell.task, cell.arm, cell.seed, coef=value), coef=value)
 
@@ -175,16 +207,37 @@ def calibration_cells(params: Experiment) -> list[Cell]:
     return out
 
 
+def plan_cells(params: Experiment) -> list[Cell]:
+    """The cells of every task's planning instances: the no-KL baseline and every design entry (all groups), x
+    seeds. Plan cells are unresolved (``resolve``): they need the calibration's protocol."""
+    g, out = params.grid, []
+    for task, section in params.tasks().items():
+        for i in section.calibration.plan_instances:
+            out += [
+                Cell(task, "plan_baseline", i, BASELINE, s, cell_config(params, task, BASELINE, s)) for s in g.seeds
+            ]
+            for group, arm, role in g.design_cells():
+                out += [Cell(task, "plan", i, arm, s, None, role=role, design_group=group) for s in g.seeds]
+    return out
+
+
+def allocated(section, group: str) -> list[int]:
+    """The evaluation instances design ``group``'s cells run on: all of them for the shared group."""
+    return list(section.instances) if group == SHARED else list(section.allocation[group])
+
+
 def evaluation_cells(params: Experiment) -> list[Cell]:
     """Every evaluation cell, in a stable order: by task, instance, kind (baseline, design, fixed, matched), arm,
-    strength, seed. Design cells are unresolved (``resolve``)."""
+    strength, seed. Design cells are unresolved (``resolve``); a design group's cells exist on the instances
+    allocated to it."""
     g, out = params.grid, []
     cfg = lambda *a, **kw: cell_config(params, *a, **kw)
     for task, section in params.tasks().items():
         for i in section.instances:
             out += [Cell(task, "baseline", i, BASELINE, s, cfg(task, BASELINE, s)) for s in g.seeds]
-            for arm, role in g.design_cells():
-                out += [Cell(task, "design", i, arm, s, None, role=role) for s in g.seeds]
+            for group, arm, role in g.design_cells():
+                if i in allocated(section, group):
+                    out += [Cell(task, "design", i, arm, s, None, role=role, design_group=group) for s in g.seeds]
             for arm in g.arms:
                 for coef in section.coefs:
                     out += [Cell(task, "fixed", i, arm, s, cfg(task, arm, s, coef), coef=coef) for s in g.seeds]
@@ -197,8 +250,8 @@ def evaluation_cells(params: Experiment) -> list[Cell]:
 
 
 def cells(params: Experiment) -> list[Cell]:
-    """Every cell of the current params: the calibration cells, then the evaluation cells."""
-    return calibration_cells(params) + evaluation_cells(params)
+    """Every cell of the current params: the calibration cells, the plan cells, then the evaluation cells."""
+    return calibration_cells(params) + plan_cells(params) + evaluation_cells(params)
 
 
 def find_cell(params: Experiment, stage: str) -> Cell:
@@ -211,8 +264,8 @@ def find_cell(params: Experiment, stage: str) -> Cell:
 
 def upstream_stages(params: Experiment) -> list[str]:
     """The DVC stage groups every cell depends on: `dvc repro` of these builds data, SFT, (for a learned-reward
-    task) reward models and the iteration-0 evaluations of the calibration and the evaluation instances."""
-    return [f"{t}_{p}eval0" for t in params.tasks() for p in ("calibration_", "")]
+    task) reward models and the iteration-0 evaluations of the calibration, planning and evaluation instances."""
+    return [f"{t}_{p}eval0" for t in params.tasks() for p in ("calibration_", "plan_", "")]
 
 
 def calibrate_stages(params: Experiment) -> list[str]:
@@ -220,14 +273,20 @@ def calibrate_stages(params: Experiment) -> list[str]:
     return [f"{task}_calibrate" for task in params.tasks()]
 
 
+def plan_stages(params: Experiment) -> list[str]:
+    """The stages that plan each task's sample sizes from its plan cells (dvc.yaml ``<task>_planning``)."""
+    return [f"{task}_planning" for task in params.tasks()]
+
+
 def upstream_chains(params: Experiment, evaluation: bool = True) -> list[list[str]]:
     """The upstream stages of each task instance in the order they run (data, sft, rm for a learned-reward task,
-    eval0), as DVC names them, calibration instances first (only those without ``evaluation``): every cell of the
-    instance depends on its chain."""
+    eval0), as DVC names them, calibration and planning instances first (only those without ``evaluation``): every
+    cell of the instance depends on its chain."""
     chains = []
     for task, section in params.tasks().items():
         kinds = ["data", "sft", "rm", "eval0"] if TASKS[task].learned_reward else ["data", "sft", "eval0"]
-        sets = [("calibration_", section.calibration.instances)] + [("", section.instances)] * evaluation
+        cal = section.calibration
+        sets = [("calibration_", cal.instances), ("plan_", cal.plan_instances)] + [("", section.instances)] * evaluation
         for prefix, instances in sets:
             chains += [[stage_name(f"{task}_{prefix}{k}", i) for k in kinds] for i in instances]
     return chains

@@ -8,6 +8,8 @@ Layout (one directory per run, each with summary.json, evals.csv and history.csv
     runs/<task>/matched/<instance>-<arm>-<target>-<seed>/ a KL arm steered by the adaptive controller to a KL target
     runs/<task>/calibration_baseline/<instance>-<seed>/   the calibration instances' no-KL arm
     runs/<task>/calibration/<instance>-<arm>-<coef>-<seed>/  a calibration arm at a calibration coefficient
+    runs/<task>/plan_baseline/<instance>-<seed>/          the planning instances' no-KL arm
+    runs/<task>/plan/<instance>-<arm>-<role>-<seed>/      a design entry on a planning instance
 
 The caller (the grid) supplies the expected runs as ExpectedRun(stage, path); a stale directory that is not
 expected is never read. A missing, unreadable or mislabelled run raises MissingResultsError naming every such stage.
@@ -29,7 +31,8 @@ from ablations.experiment import BASELINE
 from ablations.experiment import spec_of as arm_spec
 from rlhf.config import PPOConfig
 
-KINDS = ("baseline", "fixed", "matched", "calibration_baseline", "calibration")
+KINDS = ("baseline", "fixed", "matched", "calibration_baseline", "calibration", "plan_baseline")
+BASELINE_KINDS = ("baseline", "calibration_baseline", "plan_baseline")
 REQUIRED = ("task", "kind", "instance", "seed", "arm", "coef", "kl_target", "config", "final_gold", "final_kl")
 EVAL_COLUMNS = ("iteration", "gold", "kl")
 
@@ -61,11 +64,11 @@ def _check_layout(path: Path, s: dict) -> str | None:
     if s["kind"] not in KINDS:
         return f"kind {s['kind']!r} is not one of {KINDS}"
     parts = path.name.split("-")
-    expect = 2 if s["kind"] in ("baseline", "calibration_baseline") else 4
+    expect = 2 if s["kind"] in BASELINE_KINDS else 4
     role = s.get("role")
     try:
         ok = (
-            path.parent.name == ("design" if role else s["kind"])
+            (path.parent.name in ("design", "plan") if role else path.parent.name == s["kind"])
             and path.parent.parent.name == s["task"]
             and len(parts) == expect
             and int(parts[0]) == int(s["instance"])

@@ -147,7 +147,7 @@ def restraint(tr: TaskResults, proto: AnalysisParams, path: Path) -> Path:
     meaningful reduction; and every cell's collapse rate with its exact 95% CI."""
     r, col = tr.restraint, tr.collapse
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.8 + 0.22 * max(len(r), len(col), 4)))
-    delta = proto.tasks[tr.task].min_log_kl_reduction
+    delta = proto.tasks[tr.task].margins["log_kl"]
     if len(r):
         y = np.arange(len(r))[::-1]
         colours = {"restrains": "tab:green", "does not restrain": "tab:red", "inconclusive": "tab:gray"}

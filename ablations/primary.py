@@ -1,29 +1,27 @@
-"""The confirmatory part of the analysis: one pre-registered primary comparison per question, decided by exact
-sequential tests, and the headline they carry, with its family-wise error.
+"""The confirmatory part of the analysis (protocol v4): the pre-registered primary comparisons, decided by exact
+sequential sign tests of the median difference, and the headline the placement questions carry.
 
-Each question q of ``analysis.primary`` names arm - other, each at a calibrated role (ablations/grid.py role_value:
-``coef`` the reference arm's best coefficient, ``tuned`` each arm's own best, ``target`` steered to the calibrated
-KL target), on final gold or on log final exact KL (Q1: restraint; its margin is ``min_log_kl_reduction``).
-Per evaluation instance, in the pre-registered order of ``<task>.instances``, the difference d_i (instances average
-their PPO seeds first) feeds ablations/sequential.py: looks after every batch, exact sign-flip CIs at the level
-the look spends, four outcomes (material difference, difference, equivalent, inconclusive), and the question is
-settled at the first look that shows a material difference or an equivalence.
+Each question of ``analysis.primary`` is arm - other at a calibrated role; a ``levels`` question (the gold-KL
+frontier) is one comparison per KL level (ablations/comparisons.py builds every comparison's per-instance table).
+Per comparison, in the pre-registered order of ``<task>.instances`` (only the instances its cells were allocated),
+the differences feed ablations/rule.py: looks after every batch, the exact, distribution-free sign test of the
+MEDIAN difference with order-statistic CIs at the level the look spends (ablations/signtest.py; no symmetry is
+assumed, so the error bounds hold for the skewed differences the tasks produce), four outcomes in order of
+precedence (material difference > equivalent > non-zero, materiality undetermined > inconclusive), and the
+comparison is settled at the first look that shows a material difference or an equivalence. An equivalence needs
+the margin-sized positive control detected (else "insensitive") and the penalty shown to act: the no-KL contrast
+beyond its margin in its calibrated direction (else "inert": placement is not testable there). A frontier comparison
+at a level where an arm hits the level in fewer than ``min_hit_rate`` of its runs is "not steerable" there (not
+compared). Each comparison runs to its own cap (the sample-size plan, protocol/<task>.plan.json).
 
-Error control over the whole headline. K questions share alpha: each gets alpha/K (Bonferroni), spent over its
-looks by a union bound (sequential.Schedule). Within a question at most one of its two nulls -- no difference
-(Δ = 0) and non-equivalence (|Δ| >= margin) -- is true, so testing both at alpha/K adds nothing; the probability
-that any verdict of any question is false is at most K · alpha/K = alpha, whatever the stopping.
+Error control. K comparisons (levels expanded) share alpha: alpha/K each (Bonferroni), spent over the reachable
+looks by a union bound (rule.Schedule). Within a comparison at most one of its nulls is true (no difference, not
+material, not equivalent), so the probability that any claim of any comparison of a task is wrong is at most
+alpha, whatever the stopping.
 
-Controls. Every question carries the margin-sized positive control (the reference arm at ``coef`` minus at
-``control_coef``, whose calibration effect is about one margin), tested at the same look and level, one-sided in
-its calibrated direction: a question whose control is not detected cannot say "equivalent" there
-(sequential.effective_verdict: "insensitive"). The no-KL control (no KL minus the reference arm at ``coef``) is
-reported with its direction checked against calibration; it licenses nothing at the margin.
-
-Beside the exact results, the paired t-test at the decided look (same level) is shown, never used to decide; so
-are rliable's interval estimates (Agarwal et al. 2021, "Deep RL at the edge of the statistical precipice"):
-percentile-bootstrap 95% CIs of the mean and IQM difference and the probability of improvement P(arm > other),
-with its CI (``beside_rliable``).
+Beside the exact results, the paired t-test at the decided look (same level) is shown, never used to decide; so are
+rliable's interval estimates (Agarwal et al. 2021): percentile-bootstrap 95% CIs of the mean and IQM difference and
+the probability of improvement P(arm > other), with its CI (``beside_rliable``).
 """
 
 from __future__ import annotations
@@ -35,42 +33,19 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from ablations import sequential as Q
+from ablations import rule as R
+from ablations import signtest as T
+from ablations.comparisons import Comparison, primary_comparisons, table
 from ablations.config import AnalysisParams
-from ablations.grid import BASELINE, role_value
 
 MATTERS, NO_MATTER, NOT_SETTLED = "matters", "does not matter", "not settled"
-COLUMN = {"gold": "final_gold", "log_kl": "log_kl"}
+NOT_STEERABLE = "not steerable"
 
 
-def schedule(proto: AnalysisParams) -> Q.Schedule:
-    """The look schedule of every primary question: alpha/K each, K = number of primary questions."""
+def schedule(proto: AnalysisParams, n_comparisons: int, cap: int) -> R.Schedule:
+    """The look schedule of one comparison: alpha/K (K comparisons), to its planned ``cap``."""
     s = proto.sequential
-    return Q.Schedule(batch_size=s.batch_size, cap=s.cap, alpha=proto.alpha / len(proto.primary), rho=s.rho)
-
-
-def cell_of(protocol: dict, arm: str, role: str, reference: str) -> tuple[str, float]:
-    """(kind, level) of the runs of ``arm`` at ``role``: a coefficient (kind fixed) or the KL target (matched).
-    The reference arm's tuned coefficient is ``coef`` by definition."""
-    if role == "tuned" and arm == reference:
-        role = "coef"
-    return ("matched" if role == "target" else "fixed"), role_value(protocol, arm, role)
-
-
-def values(runs: pd.DataFrame, arm: str, kind: str, level: float | None, column: str) -> pd.Series:
-    """Per instance, the mean over its PPO seeds of ``column`` for ``arm``'s runs of ``kind`` at ``level``."""
-    sel = runs[(runs.arm == arm) & (runs.kind == kind)]
-    if level is not None:
-        sel = sel[np.isclose(sel.level.astype(float), level)]
-    return sel.groupby("instance")[column].mean()
-
-
-def ordered_difference(a: pd.Series, b: pd.Series, order: list[int]) -> np.ndarray:
-    """a_i - b_i in the pre-registered instance ``order``; ValueError naming an instance that lacks either."""
-    missing = [i for i in order if i not in a.index or i not in b.index]
-    if missing:
-        raise ValueError(f"instances {missing} lack a run of the comparison")
-    return np.array([a[i] - b[i] for i in order], dtype=float)
+    return R.Schedule(batch_size=s.batch_size, cap=cap, alpha=proto.alpha / n_comparisons)
 
 
 def _t_beside(d: np.ndarray, a: float) -> dict:
@@ -129,45 +104,50 @@ def beside_rliable(a: np.ndarray, b: np.ndarray, level: float = 0.95, resamples:
     return out
 
 
-def ordered(a: pd.Series, order: list[int]) -> np.ndarray:
-    return np.array([a[i] for i in order], dtype=float)
+def steerable(t: pd.DataFrame, n: int, min_hit_rate: float) -> bool:
+    """Whether both sides of a level comparison hit the level in >= ``min_hit_rate`` of the first ``n`` instances
+    (always True for a coefficient comparison)."""
+    if "hit_arm" not in t:
+        return True
+    head = t.iloc[:n]
+    return bool(head.hit_arm.mean() >= min_hit_rate and head.hit_other.mean() >= min_hit_rate)
 
 
-def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: list[int], margin: float) -> dict:
-    """One primary question: its path of looks and its decision, with controls and the t-test beside."""
-    ref, column = proto.reference_arm, COLUMN[spec.metric]
-    (ka, la), (kb, lb) = (cell_of(protocol, x, spec.role, ref) for x in (spec.arm, spec.other))
-    va, vb = values(runs, spec.arm, ka, la, column), values(runs, spec.other, kb, lb, column)
-    d = ordered_difference(va, vb, order)
-    control = ordered_difference(
-        values(runs, ref, "fixed", protocol["coef"], column),
-        values(runs, ref, "fixed", protocol["control_coef"], column),
-        order,
-    )
-    direction = int(protocol["control_direction"][spec.metric])
-    if direction == 0:  # calibration saw no control effect at all: no look can detect it, so none says equivalent
-        control, direction = np.zeros_like(control), 1
-    sch = schedule(proto)
-    n = (len(d) // sch.batch_size) * sch.batch_size  # complete batches only
-    looks = Q.path(d[:n], margin, sch, control=control[:n], control_direction=direction)
-    dec = Q.decide(looks)
-    k = max(dec["j"], 1) - 1
-    at = looks[k] if looks else {}
-    none = values(runs, BASELINE, "baseline", None, column)
-    nk = ordered_difference(none, values(runs, ref, "fixed", protocol["coef"], column), order)[:n] if n else []
-    nk_dir = int(protocol.get("no_kl_direction", {}).get(spec.metric, 0))
-    return {
-        "question": q,
-        "comparison": f"{spec.arm} − {spec.other}",
-        "role": spec.role,
+def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams, n_comparisons: int, cap: int) -> dict:
+    """One comparison's path of looks and its decision on its per-instance table ``t`` (ablations.comparisons)."""
+    sch = schedule(proto, n_comparisons, cap)
+    n = min((len(t) // sch.batch_size) * sch.batch_size, sch.cap)  # complete batches only, up to the cap
+    t = t.iloc[:n]
+    d = t.d.to_numpy(float)
+    acts = None if t.acts.isna().all() else t.acts.to_numpy(float)
+    looks = R.path(
+        d, meta["margin"], sch, control=t.control.to_numpy(float), control_direction=meta["control_direction"],
+        nokl=acts, nokl_direction=meta.get("acts_direction", 0), nokl_margin=meta.get("acts_margin"),
+    ) if n else []  # fmt: skip
+    for look in looks:
+        look["steerable"] = steerable(t, look["n"], proto.min_hit_rate)
+        if not look["steerable"]:
+            look["verdict"] = NOT_STEERABLE
+    dec = R.decide(looks)
+    m = dec["n"]
+    at = looks[max(dec["j"], 1) - 1] if looks else {}
+    spec = c.spec
+    row = {
+        "question": c.question,
+        "comparison": c.name,
+        "kind": spec.kind,
+        "contrast": f"{spec.arm} − {spec.other}",
+        "role": c.role,
         "metric": spec.metric,
-        "levels": f"{_where(ka, la)} / {_where(kb, lb)}",
-        "margin": margin,
+        "level": meta["level"],
+        "margin": meta["margin"],
+        "cap": cap,
         "verdict": dec["verdict"],
+        "label": T.label(dec["verdict"], bool(dec.get("nonzero"))),
         "status": dec["status"],
         "settled": dec["settled"],
-        "n": dec["n"],
-        "n_available": len(d),
+        "n": m,
+        "n_available": len(t),
         "looks": dec["looks"],
         "looks_decided": dec["j"],
         "a_j": dec.get("a_j"),
@@ -176,54 +156,73 @@ def question(runs, q: str, spec, protocol: dict, proto: AnalysisParams, order: l
         "hi": dec.get("hi"),
         "lo90": dec.get("lo90"),
         "hi90": dec.get("hi90"),
-        "p_exact": Q.signflip_p_one_sided(d[: dec["n"]], 0.0, "two-sided") if dec["n"] else math.nan,
-        "control_effect": float(np.mean(control[: dec["n"]])) if dec["n"] else math.nan,
-        "control_calibrated": float(protocol["control_effect"][spec.metric]),
-        "control_direction": direction,
+        "nonzero": dec.get("nonzero"),
+        "mean": float(d[:m].mean()) if m else math.nan,
+        "p_sign": T.sign_p(d[:m], 0.0, "two-sided") if m else math.nan,
+        "control_effect": float(np.median(t.control.to_numpy(float)[:m])) if m else math.nan,
+        "control_direction": meta["control_direction"],
         "control_detected": at.get("control_detected"),
-        "no_kl_effect": float(np.mean(nk)) if len(nk) else math.nan,
-        "no_kl_expected_sign": nk_dir,
-        "no_kl_direction_ok": bool(len(nk) and nk_dir and np.sign(np.mean(nk)) == nk_dir),
-        **(_t_beside(d[: dec["n"]], dec["a_j"]) if dec["n"] else _t_beside(np.array([]), 0.05)),
-        **beside_rliable(ordered(va, order[: dec["n"]]), ordered(vb, order[: dec["n"]])),
+        "acts_effect": float(np.median(acts[:m])) if m and acts is not None else math.nan,
+        "acts_margin": meta.get("acts_margin"),
+        "acts_direction": meta.get("acts_direction"),
+        "acts": at.get("acts"),
+        "hit_rate_arm": float(t.hit_arm.iloc[:m].mean()) if m and "hit_arm" in t else None,
+        "hit_rate_other": float(t.hit_other.iloc[:m].mean()) if m and "hit_other" in t else None,
+        "steerable": at.get("steerable", True),
+        "differences": {int(i): float(x) for i, x in zip(t.index[:m], d[:m])},
+        **(_t_beside(d[:m], dec["a_j"]) if m and dec.get("a_j") else _t_beside(np.array([]), 0.05)),
         "path": [_look(x) for x in looks],
-        "differences": {int(i): float(x) for i, x in zip(order, d)},  # per instance, pre-registered order
     }
-
-
-def _where(kind: str, level: float) -> str:
-    return f"KL target {level:.3g}" if kind == "matched" else f"β {level:g}"
+    return row
 
 
 def _look(look: dict) -> dict:
-    keep = ("j", "n", "a_j", "reachable", "estimate", "lo", "hi", "lo90", "hi90", "verdict", "control_detected")
-    return {k: look[k] for k in keep} | {"effective": Q.effective_verdict(look)}
+    keep = ("j", "n", "a_j", "reachable", "estimate", "lo", "hi", "lo90", "hi90", "verdict", "nonzero",
+            "control_detected", "acts", "steerable")  # fmt: skip
+    return {k: look.get(k) for k in keep} | {"effective": R.effective_verdict(look)}
 
 
 def headline(rows: list[dict]) -> str:
-    """ "matters" when some primary question settles as a material difference; "does not matter" when every one
-    settles as equivalent (each with its margin-sized control detected); else "not settled"."""
-    verdicts = [r["verdict"] for r in rows if r["settled"]]
-    if Q.MATERIAL in verdicts:
+    """ "matters" when some placement comparison settles as a material difference; "does not matter" when every
+    placement comparison settles as equivalent (each with its control detected and the penalty shown to act); else
+    "not settled". Penalty and practice questions are reported beside it, not in it."""
+    place = [r for r in rows if r["kind"] == "placement"]
+    verdicts = [r["verdict"] for r in place if r["settled"]]
+    if T.MATERIAL in verdicts:
         return MATTERS
-    if rows and len(verdicts) == len(rows) and all(v == Q.EQUIVALENT for v in verdicts):
+    if place and len(verdicts) == len(place) and all(v == T.EQUIVALENT for v in verdicts):
         return NO_MATTER
     return NOT_SETTLED
 
 
-def analyse(runs: pd.DataFrame, task: str, proto: AnalysisParams, protocol: dict, order: list[int]) -> dict:
-    """Every primary question of ``task`` (``runs``: its evaluation runs with ``log_kl``), the headline and the
-    error budget."""
+def carriers(rows: list[dict], headline_: str) -> list[str]:
+    """The comparisons that carry the headline: the material placement comparisons (matters), every placement
+    comparison (does not matter), none (not settled)."""
+    if headline_ == MATTERS:
+        return [r["comparison"] for r in rows if r["kind"] == "placement" and r["verdict"] == T.MATERIAL]
+    if headline_ == NO_MATTER:
+        return [r["comparison"] for r in rows if r["kind"] == "placement"]
+    return []
+
+
+def analyse(
+    runs: pd.DataFrame, evals: pd.DataFrame, task: str, proto: AnalysisParams, protocol: dict, plan: dict,
+    order: list[int],
+) -> dict:  # fmt: skip
+    """Every primary comparison of ``task`` (``runs``/``evals``: its evaluation runs), the headline and the error
+    budget. ``plan``: protocol/<task>.plan.json (each comparison's cap); ``order``: the evaluation instances."""
     tp = proto.tasks[task]
-    margins = {"log_kl": tp.min_log_kl_reduction, **{m: float(v) for m, v in protocol["margins"].items()}}
-    rows = [question(runs, q, s, protocol, proto, order, margins[s.metric]) for q, s in proto.primary.items()]
-    sch = schedule(proto)
+    comps = primary_comparisons(proto, len(protocol["levels"]))
+    rows = []
+    for c in comps:
+        t, meta = table(runs, evals, c, protocol, proto.reference_arm, tp.kl_tolerance)
+        t = t.reindex([i for i in order if i in t.index])
+        rows.append(comparison(t, meta, c, proto, len(comps), int(plan["comparisons"][c.name]["cap"])))
+    head = headline(rows)
     budget = {
         "alpha": proto.alpha,
-        "questions": len(rows),
-        "per_question": sch.alpha,
-        "looks": [int(x) for x in sch.looks()],
-        "levels": [float(x) for x in sch.levels()],
-        "reachable": [sch.reachable(j) for j in range(1, sch.J + 1)],
+        "comparisons": len(rows),
+        "per_comparison": proto.alpha / len(rows),
+        "caps": {r["comparison"]: r["cap"] for r in rows},
     }
-    return {"primary": rows, "headline": headline(rows), "budget": budget}
+    return {"primary": rows, "headline": head, "carried_by": carriers(rows, head), "budget": budget}

@@ -23,11 +23,8 @@ class TaskAnalysis(BaseModel):
 
     model_config = STRICT
     metrics: list[MetricName] = Field(description="compared metrics; 'gold' is the primary metric")
-    min_log_kl_reduction: FiniteFloat = Field(
-        gt=0.0, le=10.0, description="Q1: smallest meaningful change of log final KL (the Q1 margin)"
-    )
     kl_tolerance: FiniteFloat = Field(
-        gt=0.0, lt=1.0, description="Q3: a run hits its KL target when |final KL / target - 1| <= this"
+        gt=0.0, lt=1.0, description="a steered run hits its KL level when |final KL / level - 1| <= this"
     )
 
     @field_validator("metrics")
@@ -36,7 +33,7 @@ class TaskAnalysis(BaseModel):
         if "gold" not in m:
             raise ValueError(f"must list the primary metric 'gold' (got {m})")
         if "kl" in m or "log_kl" in m:
-            raise ValueError("'kl' is judged by Q1 (min_log_kl_reduction), not by an equivalence margin")
+            raise ValueError("'log_kl' has its own calibrated margin (calibration.log_kl_fraction); list gold metrics")
         return _distinct("metric", m)
 
 
@@ -47,8 +44,7 @@ class Judged:
     difference" by the protocol's own margin)."""
 
     metrics: tuple[str, ...]
-    margins: dict[str, float]
-    min_log_kl_reduction: float
+    margins: dict[str, float]  # every metric's calibrated margin, log_kl included
     kl_tolerance: float
 
     @property
@@ -57,32 +53,48 @@ class Judged:
 
 
 class SequentialParams(BaseModel):
-    """Instances added in batches until each primary question is settled (ablations/sequential.py)."""
+    """Instances added in batches until each primary comparison is settled or reaches its planned cap
+    (ablations/sequential.py; the plan: ablations/plan.py)."""
 
     model_config = STRICT
     batch_size: int = Field(ge=1, le=1_000, description="evaluation instances per batch (a look after each)")
-    cap: int = Field(ge=1, le=10_000, description="the most evaluation instances a task gets (a multiple of batch)")
-    rho: FiniteFloat = Field(gt=0.0, le=10.0, description="alpha spent by look j of J: alpha * (j/J)^rho")
+    max_cap: int = Field(ge=1, le=10_000, description="the most evaluation instances any comparison may plan for")
+    power: FiniteFloat = Field(gt=0.0, lt=1.0, description="the plan: power to settle a difference of `effect`")
+    effect: FiniteFloat = Field(gt=1.0, le=10.0, description="the plan's true difference, in margins")
+    simulations: int = Field(ge=100, le=1_000_000, description="Monte Carlo trials per planned cap")
 
     @model_validator(mode="after")
     def _multiple(self):
-        if self.cap % self.batch_size:
-            raise ValueError(f"cap ({self.cap}) must be a multiple of batch_size ({self.batch_size})")
+        if self.max_cap % self.batch_size:
+            raise ValueError(f"max_cap ({self.max_cap}) must be a multiple of batch_size ({self.batch_size})")
         return self
 
 
 PRIMARY_METRICS = ("gold", "log_kl")
+NO_KL = "none"  # the no-KL baseline as a question's ``other``: its own trajectory, read at each KL level
 
 
 class Primary(BaseModel):
-    """One question's pre-registered primary comparison: ``arm`` minus ``other``, each at ``role`` (the cell the
-    calibration fixed for it), on ``metric`` (final gold, or log final exact KL for restraint)."""
+    """One pre-registered primary question: ``arm`` minus ``other``, each at ``role`` (the cell the calibration fixed
+    for it: ``act`` the coefficient where the penalty acts, ``tuned`` each arm's own best coefficient, ``levels`` one
+    comparison per frontier KL level, each arm steered there), on ``metric``. ``other: none`` with ``levels`` is the
+    no-KL run's own gold-KL trajectory read at each level (Gao et al. 2022, sec. 3.6). ``kind`` says what it
+    isolates: ``placement`` questions carry the headline; ``penalty`` (does a KL penalty help at all) and
+    ``practice`` (the camps' defaults, estimator and coefficient changing with the placement) are reported beside it
+    under the same error budget."""
 
     model_config = STRICT
     arm: str
     other: str
-    role: Literal["coef", "tuned", "target"]
+    role: Literal["act", "tuned", "levels"]
     metric: Literal["gold", "log_kl"]
+    kind: Literal["placement", "penalty", "practice"]
+
+    @model_validator(mode="after")
+    def _none(self):
+        if self.other == NO_KL and self.role != "levels":
+            raise ValueError("other 'none' (the no-KL trajectory) is read at the frontier's levels: role 'levels'")
+        return self
 
 
 class AnalysisParams(BaseModel):
@@ -90,29 +102,35 @@ class AnalysisParams(BaseModel):
 
     model_config = STRICT
     reference_arm: str = Field(min_length=1)
-    alpha: FiniteFloat = Field(gt=0.0, lt=0.5, description="family-wise level (Holm); TOST at alpha with a 90% CI")
-    power: FiniteFloat = Field(gt=0.0, lt=1.0, description="for 'instances needed'")
-    min_hit_rate: FiniteFloat = Field(gt=0.0, le=1.0, description="Q3: below it an arm is 'not steerable'")
+    alpha: FiniteFloat = Field(gt=0.0, lt=0.5, description="family-wise level of every primary claim of a task")
+    power: FiniteFloat = Field(gt=0.0, lt=1.0, description="exploratory: for 'instances needed'")
+    min_hit_rate: FiniteFloat = Field(gt=0.0, le=1.0, description="below it an arm is 'not steerable' at a level")
     bimodality_alpha: FiniteFloat = Field(gt=0.0, lt=1.0, description="per-cell flag of two separated groups")
     sequential: SequentialParams
-    primary: dict[Literal["Q1", "Q2", "Q3", "Q4"], Primary] = Field(description="one per question: the headline")
+    primary: dict[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")], Primary] = Field(
+        description="the pre-registered questions (a 'levels' question is one comparison per level)"
+    )
+    checks: dict[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")], Primary] = Field(
+        description="sanity checks of the contract on the planning instances: reported, no error budget"
+    )
     tasks: dict[str, TaskAnalysis]
 
     @field_validator("primary")
     @classmethod
     def _primary(cls, p):
         if not p:
-            raise ValueError("must pre-register at least one primary comparison")
+            raise ValueError("must pre-register at least one primary question")
+        if not any(q.kind == "placement" for q in p.values()):
+            raise ValueError("must pre-register at least one placement question (the headline)")
         return p
 
     def judged(self, task: str, margins: dict[str, float]) -> Judged:
-        """``task``'s protocol with the calibrated ``margins`` (protocol/<task>.json)."""
+        """``task``'s protocol with the calibrated ``margins`` (protocol/<task>.json; log_kl's among them)."""
         tp = self.tasks[task]
-        missing = [m for m in tp.metrics if m not in margins]
+        missing = [m for m in (*tp.metrics, "log_kl") if m not in margins]
         if missing:
             raise ValueError(f"task {task}: the calibration gives no margin for {', '.join(missing)}")
-        return Judged(tuple(tp.metrics), {m: float(margins[m]) for m in tp.metrics}, tp.min_log_kl_reduction,
-                      tp.kl_tolerance)  # fmt: skip
+        return Judged(tuple(tp.metrics), {m: float(v) for m, v in margins.items()}, tp.kl_tolerance)
 
     @field_validator("tasks")
     @classmethod

@@ -191,7 +191,7 @@ def restraint(runs: pd.DataFrame, units: dict, task: str, tp: Judged, proto: Ana
     """Q1 rows (one per arm and coefficient) and family records (one per coefficient). ``units`` (unit_table) must
     hold ``log_kl``, the log of each run's final exact KL (averaged over seeds: a geometric mean)."""
     none = unit_values(units, "baseline", BASELINE, None, "log_kl")
-    delta, alpha = tp.min_log_kl_reduction, proto.alpha
+    delta, alpha = tp.margins["log_kl"], proto.alpha
     rows, fams = [], []
     for c in sorted(runs[runs.kind == "fixed"].level.unique()):
         fam_rows = []

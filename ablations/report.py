@@ -18,90 +18,132 @@ _f, _ci = T.fmt, T.ci
 
 
 HEADLINE_WORDS = {
-    "matters": "where the KL penalty goes matters: a primary question shows a difference beyond its margin",
-    "does not matter": "where the KL penalty goes does not matter within the calibrated margins: every primary "
-    "question is equivalent, each with its margin-sized control detected",
-    "not settled": "these runs do not settle whether it matters (no primary question shows a material difference, "
-    "and not every one is shown equivalent)",
+    "matters": "where the KL penalty goes matters: a placement comparison shows a difference beyond its margin",
+    "does not matter": "where the KL penalty goes does not matter within the calibrated margins: every placement "
+    "comparison is equivalent, each with its margin-sized control detected and the penalty shown to act",
+    "not settled": "these runs do not settle whether it matters (no placement comparison shows a material "
+    "difference, and not every one is shown equivalent)",
+}
+PRECEDENCE = (
+    "Outcomes, in order of precedence: *material difference* (the (1 − a_j) CI of the median difference lies beyond "
+    "the margin) > *equivalent* (the (1 − 2a_j) CI inside the margin, the margin-sized control detected and the "
+    "penalty shown to act, at the same level; *a non-zero difference inside the margin* when the (1 − a_j) CI also "
+    "excludes 0) > *non-zero, materiality undetermined* (the (1 − a_j) CI excludes 0, not the margin) > "
+    "*inconclusive*. An equivalence whose control is not detected reads *insensitive*; one where removing the "
+    "penalty is not shown to change the metric beyond its margin reads *inert* (placement is not testable there); "
+    "a frontier comparison where an arm hits its KL level in fewer than the minimum share of runs reads *not "
+    "steerable* (not compared). *settled*: material or equivalent at a look; *open*: neither, below its planned cap "
+    "(`make settle` adds the next batch to it); *unsettled at cap*: neither, at its cap."
+)
+KIND_WORDS = {
+    "placement": "placement",
+    "penalty": "the penalty itself (not placement)",
+    "practice": "practice: estimator and β change with the placement",
 }
 
 
 def _where(r: dict) -> str:
-    return f"{r['levels']}"
+    if r["level"] is not None:
+        return f"KL level {r['level']:.3g} nats"
+    return {"act": "β where the penalty acts", "tuned": "each at its own best β"}.get(r["role"], r["role"])
+
+
+def _check(value, words=("shown", "NOT shown", "–")) -> str:
+    return {True: words[0], False: words[1], None: words[2]}[value]
 
 
 def primary_sentence(r: dict) -> str:
-    """One primary question's result with its numbers."""
+    """One primary comparison's result with its numbers."""
     lvl = f"{1 - r['a_j']:.4%}" if r.get("a_j") else "–"
-    ctrl = {True: "detected", False: "NOT detected", None: "–"}[r["control_detected"]]
-    head = f"**{r['question']} ({r['comparison']}, {r['metric']}, {_where(r)}) — {r['verdict']}**"
+    head = (
+        f"**{r['comparison']}** ({r['contrast']}, {r['metric']}, {_where(r)}; {KIND_WORDS[r['kind']]}) — {r['label']}"
+    )
     if r["n"] == 0:
         return f"{head}: no complete batch of evaluation instances yet ({r['n_available']} available)."
     return (
-        f"{head} ({r['status']} at n = {r['n']}): Δ {_f(r['estimate'], sign=True)}, exact {lvl} CI "
-        f"{_ci(r['lo'], r['hi'])}, margin ±{r['margin']:.3g}; exact sign-flip p {T.pval(r['p_exact'])} "
-        f"(paired t beside it: p {T.pval(r['t_p'])}, CI {_ci(r['t_lo'], r['t_hi'])}{_rliable(r)}); margin-sized "
-        f"control {ctrl} (Δ {_f(r['control_effect'], sign=True)}, calibrated {_f(r['control_calibrated'], sign=True)})."
-    )
-
-
-def _rliable(r: dict) -> str:
-    """rliable's interval estimates beside the exact result (ablations/primary.py beside_rliable), never deciding."""
-    if "p_improve" not in r:
-        return ""
-    better = r["comparison"].replace(" − ", " > ")
-    return (
-        f"; rliable: bootstrap 95% CI of mean Δ {_ci(r['boot_mean_lo'], r['boot_mean_hi'])}, IQM Δ "
-        f"{_f(r['boot_iqm'], sign=True)} {_ci(r['boot_iqm_lo'], r['boot_iqm_hi'])}, P({better}) "
-        f"{_f(r['p_improve'])} {_ci(r['p_improve_lo'], r['p_improve_hi'], sign=False)}"
+        f"{head} ({r['status']} at n = {r['n']} of its cap {r['cap']}): median Δ {_f(r['estimate'], sign=True)}, "
+        f"exact {lvl} CI {_ci(r['lo'], r['hi'])}, margin ±{r['margin']:.3g}; sign-test p {T.pval(r['p_sign'])} "
+        f"(mean Δ {_f(r['mean'], sign=True)}; paired t beside it, never deciding: p {T.pval(r['t_p'])}, CI "
+        f"{_ci(r['t_lo'], r['t_hi'])}); margin-sized control "
+        f"{_check(r['control_detected'], ('detected', 'NOT detected', '–'))}; penalty acts {_check(r['acts'])}."
     )
 
 
 def answer_paragraph(tr: TaskResults, proto) -> list[str]:
-    """The headline and one line per primary question."""
-    L = [f"**Answer ({tr.headline}).** On {tr.scope}: {HEADLINE_WORDS[tr.headline]}.", ""]
+    """The headline, what carries it, and one line per primary comparison."""
+    carried = f" Carried by: {', '.join(tr.carried_by)}." if tr.carried_by else ""
+    L = [f"**Answer ({tr.headline}).** On {tr.scope}: {HEADLINE_WORDS[tr.headline]}.{carried}", ""]
     L += [f"- {primary_sentence(r)}" for r in tr.primary]
     return L
 
 
-def _as_calibrated(ok: bool) -> str:
-    return "direction as calibrated" if ok else "direction NOT as calibrated"
+def _steer(r: dict) -> str:
+    if r["hit_rate_arm"] is None:
+        return "–"
+    return f"{r['hit_rate_arm']:.0%} / {r['hit_rate_other']:.0%}"
 
 
 def primary_table(tr: TaskResults) -> str:
-    """One row per primary question: comparison, where, margin, verdict, n, estimate, CIs, p, controls."""
+    """One row per primary comparison: what it isolates, where, margin, verdict (label), n of its cap, the median
+    and its CIs at the decided look, p, the controls, steerability; every number at that one n."""
     rows = []
     for r in tr.primary:
         rows.append({
-            "question": r["question"], "comparison": r["comparison"], "metric": r["metric"], "cells": r["levels"],
-            "margin": f"±{r['margin']:.3g}", "verdict": r["verdict"], "status": r["status"],
-            "n": f"{r['n']} of {r['n_available']}", "level a_j": T.g3(r["a_j"]) if r.get("a_j") else "–",
-            "Δ": _f(r["estimate"], sign=True), "exact CI (1−a_j)": _ci(r["lo"], r["hi"]),
-            "exact CI (1−2a_j)": _ci(r["lo90"], r["hi90"]), "exact p": T.pval(r["p_exact"]),
-            "t p [CI]": f"{T.pval(r['t_p'])} {_ci(r['t_lo'], r['t_hi'])}",
-            "margin control": {True: "detected", False: "not detected", None: "–"}[r["control_detected"]],
-            "no-KL control": f"{_f(r['no_kl_effect'], sign=True)} ({_as_calibrated(r['no_kl_direction_ok'])})",
+            "comparison": r["comparison"], "isolates": r["kind"], "contrast": r["contrast"], "metric": r["metric"],
+            "where": _where(r), "margin": f"±{r['margin']:.3g}", "verdict": r["label"], "status": r["status"],
+            "n (cap)": f"{r['n']} ({r['cap']})", "level a_j": T.g3(r["a_j"]) if r.get("a_j") else "–",
+            "median Δ": _f(r["estimate"], sign=True), "CI (1−a_j)": _ci(r["lo"], r["hi"]),
+            "CI (1−2a_j)": _ci(r["lo90"], r["hi90"]), "sign p": T.pval(r["p_sign"]),
+            "control": _check(r["control_detected"], ("detected", "not detected", "–")),
+            "penalty acts": _check(r["acts"], ("yes", "not shown", "–")),
+            "no-KL contrast (median)": _f(r["acts_effect"], sign=True) if r["acts_direction"] else "–",
+            "hit rate arm / other": _steer(r),
         })  # fmt: skip
     return T.md(rows)
 
 
 def budget_lines(tr: TaskResults) -> list[str]:
-    """The error budget of the headline: alpha split over the questions and spent over the looks."""
+    """The error budget: alpha split over the comparisons and spent over each one's reachable looks."""
     b = tr.budget
-    looks = ", ".join(
-        f"n = {n}: {T.g3(a)}{'' if ok else ' (no difference can be shown there: 2/2^n > a_j)'}"
-        for n, a, ok in zip(b["looks"], b["levels"], b["reachable"])
-    )
     return [
-        f"Family-wise error of the whole headline ≤ α = {b['alpha']:g}: each of the {b['questions']} primary questions "
-        f"gets α/{b['questions']} = {T.g3(b['per_question'])} (Bonferroni), spent over its looks by a union bound "
-        f"(valid for any dependence between looks and any stopping): {looks}. Within a question at most one of its "
-        "two nulls (no difference; a difference of at least the margin) is true, so its difference and equivalence "
-        "tests share that level. A question is *settled* at the first look with a material difference (the "
-        "(1 − a_j) CI entirely beyond the margin) or an equivalence (the (1 − 2a_j) CI inside the margin, with the "
-        "margin-sized control detected at the same level); *difference* means the (1 − a_j) CI excludes 0 but not "
-        "the margin; *insensitive* an equivalence whose control was not detected; otherwise *inconclusive*. "
-        "*open*: not settled and below the cap (`make settle` adds the next batch).",
+        f"Family-wise error of every primary claim of this task ≤ α = {b['alpha']:g}: each of the {b['comparisons']} "
+        f"comparisons (a frontier question is one per KL level) gets α/{b['comparisons']} = "
+        f"{T.g3(b['per_comparison'])} (Bonferroni), spent equally over the looks where its exact test can reach a "
+        "decision (none is spent on a look that cannot decide), by a union bound valid for any dependence between "
+        "looks and any stopping. The test is the exact sign test of the MEDIAN per-instance difference with "
+        "order-statistic CIs: distribution-free (no symmetry assumed), so the bound holds for the skewed "
+        "differences the tasks produce (tests/ablations/test_simulate.py resamples each v3 question's own "
+        "residuals). The estimand is the median difference; the mean is shown beside it, never deciding. Caps come "
+        "from the sample-size plan (below).",
+        "",
+        PRECEDENCE,
+    ]
+
+
+def plan_lines(tr: TaskResults) -> list[str]:
+    """The sample-size plan: per comparison its planning noise, cap and power at the cap."""
+    pl = tr.protocol.get("plan") or {}
+    fr = tr.protocol.get("plan_frozen", {})
+    if not pl:
+        return []
+    rule = pl["rule"]
+    rows = [
+        {"comparison": k, "median Δ (plan)": _f(v["median"], sign=True), "SD / margin": _f(v["sd_margins"]),
+         "skewness": _f(v["skewness"], sign=True), "cap": v["cap"], "power ±2 margins": f"{_f(v['power_neg'])} / "
+         f"{_f(v['power_pos'])}", "reaches 80%": "yes" if v["reached"] else "NO (capped)",
+         "P(equivalent) at Δ 0": _f(v["power_equivalent"])}
+        for k, v in pl["comparisons"].items()
+    ]  # fmt: skip
+    return [
+        f"**Sample-size plan** (`{fr.get('path', '?')}` sha256 `{fr.get('sha256', '?')[:16]}`, committed at "
+        f"{fr.get('commit') or 'not committed yet'}): on planning instances "
+        f"{', '.join(map(str, pl['plan_instances']))} (never evaluated), each comparison's per-instance rows "
+        f"(difference, control, no-KL contrast) resampled as whole instances, skew kept, through the whole rule "
+        f"({rule['simulations']} trials): its cap is the fewest instances (batches of {rule['batch_size']}, at most "
+        f"{rule['max_cap']}) with power ≥ {rule['power']:g} to settle a {rule['effect_margins']:g}-margin "
+        "difference of either sign.",
+        "",
+        T.md(rows),
     ]
 
 
@@ -111,15 +153,19 @@ def protocol_lines(tr: TaskResults) -> list[str]:
     commit = fr.get("commit") or "not committed yet"
     tuned = ", ".join(f"{a} β {c:g}" for a, c in p["tuned"].items())
     nk = p["no_kl"]
+    acts = "" if p.get("acts_on_calibration", True) else " (NO calibration β acts: every equivalence there is inert)"
+    ctrl = "interpolated" if p.get("control_interpolated") else "the nearest calibration β, not interpolated"
     return [
-        f"**Protocol (frozen).** `{fr.get('path', '?')}` sha256 `{fr.get('sha256', '?')[:16]}`, committed at "
+        f"**Protocol v4 (frozen).** `{fr.get('path', '?')}` sha256 `{fr.get('sha256', '?')[:16]}`, committed at "
         f"{commit}. Fixed by the `{tr.task}_calibrate` stage on calibration instances "
         f"{', '.join(map(str, p['calibration_instances']))} only (never on an evaluation instance): no-KL gain "
         f"{_f(nk['gain'])} ({p['rules']['gain']} gold {_f(nk[p['rules']['gain'] + '_gold'])} − SFT "
-        f"{_f(nk['sft_gold'])}) → margin ±{p['margins']['gold']:.3g} ({p['rules']['margin_fraction']:g} of it); "
-        f"KL target {p['kl_target']:.3g} nats; β (reference arm's best) {p['coef']:g}; tuned: {tuned}; "
-        f"margin-sized control: reference arm at β {p['coef']:g} vs {p['control_coef']:g} "
-        f"(calibrated Δ gold {_f(p['control_effect']['gold'], sign=True)}).",
+        f"{_f(nk['sft_gold'])}) → gold margin ±{p['margins']['gold']:.3g} ({p['rules']['margin_fraction']:g} of it); "
+        f"β where the penalty acts (no-KL contrast ≥ {p['rules']['acts']:g} margins, best gold among those) "
+        f"{p['coef']:g}{acts}; log-KL margin ±{p['margins']['log_kl']:.3g}; frontier KL levels "
+        f"{', '.join(f'{x:.3g}' for x in p['levels'])} nats; tuned: {tuned}; margin-sized control: reference arm "
+        f"at β {p['coef']:g} vs {p['control_coef']:.3g} ({ctrl}; calibrated Δ gold "
+        f"{_f(p['control_effect']['gold'], sign=True)}).",
     ]
 
 
@@ -199,11 +245,13 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         "**Protocol lock.** " + " ".join(res.lock.sentences() if res.lock else ["not checked (no git information)."]),
         "",
         *amendment_lines(tr),
-        "## Primary questions (confirmatory: these alone carry the answer)",
+        "## Primary comparisons (confirmatory: the placement ones alone carry the answer)",
         "",
         primary_table(tr),
         "",
         *budget_lines(tr),
+        "",
+        *plan_lines(tr),
         "",
         "## Exploratory families (not confirmatory: Holm within each family only)",
         "",
@@ -212,10 +260,10 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         "",
         T.families_table(tr.families, p.alpha),
         "",
-        "### Q1 Restraint",
+        "### E1 Restraint",
         "",
         f"Per instance, log(final exact KL / no-KL final exact KL); *restrains* when the mean is shown below "
-        f"−{tp.min_log_kl_reduction:.3g} (the arm at least {1 - math.exp(-tp.min_log_kl_reduction):.0%} below no "
+        f"−{tp.margins['log_kl']:.3g} (the arm at least {1 - math.exp(-tp.margins['log_kl']):.0%} below no "
         f"KL), *does not restrain* when shown above it (one-sided t-tests at α = {p.alpha:g}, Holm within each "
         "coefficient).",
         "",
@@ -227,7 +275,7 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         T.collapse_table(tr.collapse, tr.cells),
         "",
     ]
-    for q, title in (("Q2", "Q2 Matched coefficient"), ("Q3", "Q3 Matched KL, by construction")):
+    for q, title in (("Q2", "E2 Matched coefficient"), ("Q3", "E3 Matched KL, by construction")):
         L += [f"### {title}", ""]
         if q == "Q3":
             L += [
@@ -258,11 +306,14 @@ def answer_block(tr: TaskResults, proto) -> str:
     """reports/<task>/answer.md: the task's part of the README's answer (pipelines/readme.py splices it in)."""
     p = tr.protocol
     L = [f"#### Task `{tr.task}`: {tr.headline}", "", f"{HEADLINE_WORDS[tr.headline].capitalize()}.", ""]
+    if tr.carried_by:
+        L += [f"Carried by: {', '.join(tr.carried_by)}.", ""]
     L += [f"Scope: {tr.scope}.", "", primary_table(tr), ""]
     L += [
-        f"Calibrated on instances {', '.join(map(str, p['calibration_instances']))}: margin "
-        f"±{p['margins']['gold']:.3g} gold, KL target {p['kl_target']:.3g} nats, β {p['coef']:g}; α "
-        f"{tr.budget['alpha']:g} over {tr.budget['questions']} primary questions. Full report: "
+        f"Protocol v4, calibrated on instances {', '.join(map(str, p['calibration_instances']))}: gold margin "
+        f"±{p['margins']['gold']:.3g}, log-KL margin ±{p['margins']['log_kl']:.3g}, β where the penalty acts "
+        f"{p['coef']:g}, KL levels {', '.join(f'{x:.3g}' for x in p['levels'])} nats; α {tr.budget['alpha']:g} over "
+        f"{tr.budget['comparisons']} comparisons, sign test of the median. {PRECEDENCE} Full report: "
         f"[reports/{tr.task}/report.md](reports/{tr.task}/report.md).",
         "",
     ]
@@ -296,9 +347,11 @@ def task_stats(tr: TaskResults, res: Results) -> dict:
             "headline": tr.headline,
             "n_instances": int(tr.runs.instance.nunique()),
             "n_runs": len(tr.runs),
-            "primary": {r["question"]: r for r in tr.primary},
+            "carried_by": tr.carried_by,
+            "primary": {r["comparison"]: r for r in tr.primary},
             "budget": tr.budget,
             "protocol": tr.protocol.get("frozen", {}),
+            "plan": tr.protocol.get("plan_frozen", {}),
             "amendments": tr.amendments,
             "positive_controls": {r.family: bool(r.pc_pass) for r in f.itertuples()},
             "collapse_rate": {f"{r.arm}/{r.kind}{lvl(r)}": r.rate for r in tr.collapse.itertuples()},

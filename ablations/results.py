@@ -33,6 +33,7 @@ class TaskResults:
     primary: list[dict]
     budget: dict
     headline: str
+    carried_by: list[str]
     comparisons: pd.DataFrame
     restraint: pd.DataFrame
     families: pd.DataFrame

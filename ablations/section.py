@@ -4,6 +4,7 @@ has an ``rm`` section) is registered in ablations/tasks.py; ablations/experiment
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from importlib import metadata
@@ -222,32 +223,34 @@ def _finite(v):
 Strength = Annotated[int | FiniteFloat, Field(union_mode="smart"), BeforeValidator(_finite)]
 
 
-class TargetRule(BaseModel):
-    """The matched-KL target: ``fraction`` x the no-KL runs' exact KL ``at`` their gold peak or at the end (median
-    over the calibration instances)."""
-
-    model_config = STRICT
-    at: Literal["peak", "final"]
-    fraction: FiniteFloat = Field(gt=0.0, le=10.0)
-
-
 class CalibrationParams(BaseModel):
-    """What the calibration stage (ablations/calibration.py) fixes on the calibration instances, before any
-    evaluation cell runs: the margins (``margin_fraction`` x the no-KL gain in gold, the no-KL runs' ``gain`` -- peak
-    or final gold -- minus SFT gold), the KL target, each arm's best coefficient among ``coefs``, and the coefficient
-    of the margin-sized positive control."""
+    """What the calibration stage (ablations/calibration.py) fixes on the calibration ``instances``, before any
+    evaluation cell runs: the gold margin (``margin_fraction`` x the no-KL gain, the no-KL runs' ``gain`` -- peak or
+    final gold -- minus SFT gold), the coefficient where the penalty acts (``acts``), each arm's best coefficient
+    among ``coefs``, the margin-sized positive control (interpolated), the log-KL margin (``log_kl_fraction``) and
+    the frontier's KL levels (``levels``); then, on the ``plan_instances``, each primary comparison's noise and the
+    sample size it needs (ablations/plan.py)."""
 
     model_config = STRICT
     instances: list[Seed] = Field(description="task seeds of the calibration instances (disjoint from instances)")
+    plan_instances: list[Seed] = Field(description="task seeds where the design runs once to measure its noise")
     coefs: list[Strength] = Field(description="coefficients every calibration arm runs at (at least 3)")
     margin_fraction: FiniteFloat = Field(gt=0.0, le=1.0, description="margin = this x the no-KL gold gain")
     gain: Literal["peak", "final"] = Field(description="the no-KL gain: peak gold or final gold, minus SFT gold")
-    target: TargetRule
+    acts: FiniteFloat = Field(
+        ge=1.0, le=100.0, description="the penalty acts at a coefficient whose no-KL gold contrast is >= this x margin"
+    )
+    log_kl_fraction: FiniteFloat = Field(
+        gt=0.0, le=1.0, description="log-KL margin = this x the reference arm's log-KL effect at its coefficient"
+    )
+    levels: list[FiniteFloat] = Field(
+        description="the frontier's KL levels: fractions of the no-KL runs' final exact KL (median), increasing"
+    )
 
-    @field_validator("instances")
+    @field_validator("instances", "plan_instances")
     @classmethod
-    def _instances(cls, v):
-        return _distinct("calibration instance", v)
+    def _instances(cls, v, info):
+        return _distinct(info.field_name.replace("_", " ").rstrip("s"), v)
 
     @field_validator("coefs")
     @classmethod
@@ -257,6 +260,20 @@ class CalibrationParams(BaseModel):
         if any(not 0 < c <= 1_000 for c in coefs):
             raise ValueError(f"every coefficient must be in (0, 1000] (got {coefs})")
         return _distinct("coefficient", coefs)
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, v):
+        if len(v) < 3 or any(not 0 < x < 1 for x in v) or any(b <= a for a, b in itertools.pairwise(v)):
+            raise ValueError(f"must list at least 3 increasing fractions in (0, 1) (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _disjoint(self):
+        both = sorted(set(self.instances) & set(self.plan_instances))
+        if both:
+            raise ValueError(f"instances and plan_instances must be disjoint (both have {both})")
+        return self
 
 
 def learned_reward(section: type[BaseModel]) -> bool:
@@ -276,6 +293,9 @@ class TaskSection(BaseModel):
     sft: SFTParams
     ppo: PPODefaults
     calibration: CalibrationParams
+    allocation: dict[str, list[Seed]] = Field(
+        description="per design group (grid.design, but 'shared'): the evaluation instances its cells run on"
+    )
     coefs: list[Strength] = Field(description="exploratory fixed cells: every arm at each of these coefficients")
     kl_targets: list[Strength] = Field(description="exploratory matched-KL cells: nats per response")
 
@@ -303,17 +323,26 @@ class TaskSection(BaseModel):
 
     @model_validator(mode="after")
     def _sizes(self):
-        if bool(self.instances) != bool(self.calibration.instances):
+        cal = self.calibration
+        if not bool(self.instances) == bool(cal.instances) == bool(cal.plan_instances):
             raise ValueError(
-                "instances and calibration.instances must both be empty (the task does not run) or both non-empty "
-                f"(got {len(self.instances)} and {len(self.calibration.instances)})"
+                "instances, calibration.instances and calibration.plan_instances must all be empty (the task does "
+                f"not run) or all non-empty (got {len(self.instances)}, {len(cal.instances)} and "
+                f"{len(cal.plan_instances)})"
             )
-        both = sorted(set(self.instances) & set(self.calibration.instances))
+        cal = set(self.calibration.instances) | set(self.calibration.plan_instances)
+        both = sorted(set(self.instances) & cal)
         if both:
             raise ValueError(
-                f"calibration.instances and instances must be disjoint: nothing is judged on an instance it was "
-                f"tuned on (both have {both})"
+                f"calibration.instances/plan_instances and instances must be disjoint: nothing is judged on an "
+                f"instance it was tuned or planned on (both have {both})"
             )
+        for group, alloc in self.allocation.items():
+            if alloc != self.instances[: len(alloc)]:
+                raise ValueError(
+                    f"allocation.{group} must be the first instances of 'instances', in order (got {alloc}; make "
+                    "settle appends each open group's next batch)"
+                )
         if self.sft.n_heldout >= self.task.n_demos:
             raise ValueError(
                 f"sft.n_heldout ({self.sft.n_heldout}) must be smaller than task.n_demos ({self.task.n_demos}): "

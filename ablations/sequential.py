@@ -81,6 +81,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ablations.rule import decide, effective_verdict  # noqa: F401  (v3's looks are decided by the same code)
+from ablations.signtest import as_data as _as_data
+from ablations.signtest import scalar as _scalar
 from ablations.stats import DIFFERENCE, EQUIVALENT, INCONCLUSIVE
 
 MATERIAL = "material difference"
@@ -152,15 +155,6 @@ def _group_for(x: np.ndarray, group: np.ndarray | None) -> np.ndarray:
     return group
 
 
-def _as_data(x) -> np.ndarray:
-    x = np.asarray(x, dtype=float)
-    if x.ndim < 1 or x.shape[-1] < 1:
-        raise ValueError("need data of shape (..., n) with n >= 1")
-    if not np.isfinite(x).all():
-        raise ValueError("the per-instance differences must be finite (complete instances only)")
-    return x
-
-
 def subset_means(x, group: np.ndarray | None = None) -> np.ndarray:
     """Means m_S of x (..., n) over the non-empty flip sets S of ``group`` (|G|, n) (default: flip_group(n)):
     shape (..., |G| - 1), in the group's row order with ∅ left out."""
@@ -198,15 +192,6 @@ def _bounds(means: np.ndarray, ks: list[int]) -> list[tuple[np.ndarray, np.ndarr
         else:
             out.append((part[..., k - 1], part[..., m - k]))
     return out
-
-
-def _scalar(v):
-    """0-d arrays to Python scalars (1-d input gives plain floats, bools and strings)."""
-    if isinstance(v, np.ndarray) and v.ndim == 0:
-        return v.item()
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
 
 
 def signflip_ci(x, level: float, group: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -366,46 +351,3 @@ def path(x_full, margin: float, schedule: Schedule, control=None, control_direct
         )
         looks.append(look)
     return looks
-
-
-_DECIDED_KEYS = ("j", "n", "a_j", "estimate", "lo", "hi", "lo90", "hi90", "nonzero", "control_detected")
-
-
-def effective_verdict(look: dict):
-    """A look's verdict after the control rule: "equivalent" where the control was not detected is "insensitive"."""
-    v = np.asarray(look["verdict"])
-    if look.get("control_detected") is None:
-        return _scalar(v)
-    blind = (v == EQUIVALENT) & ~np.asarray(look["control_detected"], dtype=bool)
-    return _scalar(np.where(blind, INSENSITIVE, v).astype("<U24"))
-
-
-def decide(looks: list[dict]) -> dict:
-    """The question's result from path(): the FIRST look whose effective verdict is "material difference" or
-    "equivalent" (``settled`` True, values of that look); else the last look's effective verdict (``settled``
-    False). Also ``cap_reached`` (the last scheduled look was taken), ``open`` (unsettled and data stopped before
-    the cap: more batches may settle it), ``status`` ("settled", "open" or "unsettled at cap") and ``looks`` (how
-    many were taken). Vectorised like path(): arrays over the leading axes, Python scalars for one question."""
-    if not looks:
-        return {"verdict": INCONCLUSIVE, "settled": False, "cap_reached": False, "open": True, "status": "open",
-                "looks": 0, "j": 0, "n": 0}  # fmt: skip
-    verdicts = np.stack([np.asarray(effective_verdict(look)) for look in looks])  # (J', ...)
-    shape = verdicts.shape[1:]
-    settle = np.isin(verdicts, SETTLING)
-    settled = settle.any(axis=0)
-    idx = np.where(settled, settle.argmax(axis=0), len(looks) - 1)
-
-    def pick(values):
-        stacked = np.stack([np.broadcast_to(np.asarray(v), shape) for v in values])
-        return np.take_along_axis(stacked, idx[None], axis=0)[0]
-
-    cap_reached = bool(looks[-1]["final"])
-    out = {"verdict": pick(verdicts), "settled": settled}
-    for key in _DECIDED_KEYS:
-        vals = [look[key] for look in looks]
-        out[key] = None if any(v is None for v in vals) else pick(vals)
-    out["cap_reached"] = cap_reached
-    out["open"] = ~settled & (not cap_reached)
-    out["status"] = np.where(settled, "settled", "unsettled at cap" if cap_reached else "open")
-    out["looks"] = len(looks)
-    return {key: _scalar(v) for key, v in out.items()}

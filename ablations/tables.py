@@ -206,29 +206,34 @@ def methods(tr, p: AnalysisParams) -> list[str]:
         "",
         "- Unit: the task instance (its own data, SFT policy and reward); PPO seeds nested in an instance are "
         "averaged first. Arms share instances, so every test is paired by instance.",
-        "- Calibration: margins, the KL target, each arm's best coefficient and the margin-sized control were fixed "
-        "by the calibration stage on calibration instances disjoint from the evaluation instances "
-        "(ablations/calibration.py), before any evaluation cell ran (each evaluation cell depends on the protocol "
-        "file in DVC's graph).",
-        f"- Primary questions: exact paired sign-flip tests and their inverted CIs (Hartigan 1969), evaluation "
-        f"instances added in batches of {seq.batch_size} up to {seq.cap}, α/K per question spent over the looks "
-        f"(power family ρ = {seq.rho:g}); t-tests shown beside, never deciding.",
+        "- Calibration: the margins (gold and log KL), the coefficient where the penalty acts, each arm's best "
+        "coefficient, the frontier's KL levels and the margin-sized control (interpolated) were fixed by the "
+        "calibration stage on calibration instances disjoint from the evaluation instances "
+        "(ablations/calibration.py); each comparison's cap by the planning stage on planning instances, disjoint "
+        "too (ablations/plan.py); both before any evaluation cell ran.",
+        f"- Primary comparisons: the exact sign test of the median paired difference with order-statistic CIs "
+        f"(ablations/signtest.py), evaluation instances added in batches of {seq.batch_size} up to each "
+        f"comparison's planned cap (at most {seq.max_cap}), α/K per comparison spent equally over its reachable "
+        "looks (ablations/rule.py); per-question allocation: a settled or capped comparison's own cells stop; "
+        "t-tests shown beside, never deciding.",
         f"- Exploratory families: paired t-test, two-sided, Holm within each family at α = {p.alpha:g}; 95% CI beside "
         f"it. Equivalence: TOST against the metric's calibrated margin "
         f"({', '.join(f'{k} ±{v:.3g}' for k, v in tp.margins.items())}), Holm within the family; its 90% CI is "
         "printed beside every verdict. Verdict: *difference* (Holm p < α; *within margin* if TOST also passes), "
         "else *equivalent*, else *inconclusive* with the instances a t-test (or TOST) at α/m would need for power "
         f"{p.power:g} when the true difference is the OBSERVED one with the observed SD.",
-        "- Families: Q1 one per coefficient; Q2 one per (metric, coefficient); Q3 one per (metric, KL target). "
+        "- Families: E1 (restraint) one per coefficient; E2 (matched coefficient) one per (metric, coefficient); E3 "
+        "(matched KL) one per (metric, KL level); the coefficients and levels are those the design cells ran at. "
         "Members: each arm against the reference arm and, within each estimator with both, loss against reward "
         "placement. The no-KL positive control (no KL against the reference arm; Q1: the reference arm restrains) "
-        "is outside the family and must pass at α/m.",
+        "is outside the family and must pass at α/m. (In stats.json and comparisons.csv these families keep their v3 "
+        "names Q1-Q3.)",
         "- Exact sign-flip tests are shown as a cross-check; with n instances their floor is 2/2^n (1/2^n one-sided).",
         "- Bimodality: a cell is flagged when it mixes collapsed and non-collapsed runs, or when the "
         f"Engelman–Hartigan two-group test of its final gold over runs gives p < {p.bimodality_alpha:g}. "
         "Factorial effects: studentized sign-flip tests of within-instance contrasts.",
-        f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; minimum log KL "
-        f"change {tp.min_log_kl_reduction:g}; KL-target tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
+        f"- Protocol values: reference arm {p.reference_arm}; α {p.alpha:g}; power {p.power:g}; log-KL margin "
+        f"{tp.margins['log_kl']:.3g}; KL-level tolerance ±{tp.kl_tolerance:.0%}; minimum hit rate "
         f"{p.min_hit_rate:g}; collapse drop {tp.collapse_drop:.3g} (the gold margin); bimodality α "
         f"{p.bimodality_alpha:g}.",
         f"- {scale_words(tr.runs, tp.margins['gold'], p.reference_arm)}",

@@ -103,7 +103,7 @@ def instances(cells: list[str]) -> list[tuple[str, int, str]]:
     from ablations.grid import find_cell
 
     params = load_params(ROOT / "params.yaml")
-    found = {(c.task, c.instance, "calibration_" * c.calibration) for c in (find_cell(params, s) for s in cells)}
+    found = {(c.task, c.instance, c.chain) for c in (find_cell(params, s) for s in cells)}
     return sorted(found)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ablations import analysis
 from ablations.config import PARAMS_FILE, ParamsError, load_params
-from ablations.grid import ProtocolFileError, evaluation_cells, protocol_path, read_protocol
+from ablations.grid import ProtocolFileError, evaluation_cells, plan_path, protocol_path, read_protocol
 from ablations.load import ExpectedRun
 from ablations.lock import protocol_lock, watched_keys
 from pipelines import tracking
@@ -63,6 +63,11 @@ def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instanc
     out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
     keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
+# the code that decides (protocol v4): a change to it after results exist is an amendment, like a params change
+DECIDING_CODE = tuple(
+    f"ablations/{m}.py" for m in ("calibration", "comparisons", "plan", "primary", "protocol_params", "rule",
+                                  "signtest", "simulate")
+)  # fmt: skip
 
 
 def frozen(root: Path, path: Path) -> dict:
@@ -94,7 +99,15 @@ def main(
     path = protocol_path(task)
     if not (root / path).is_file():
         raise analysis.MissingResultsError(f"{path} not found: the calibration stage {task}_calibrate has not run")
-    calibrated = {**read_protocol(root / path), "frozen": frozen(root, path)}
+    plan = plan_path(task)
+    if not (root / plan).is_file():
+        raise analysis.MissingResultsError(f"{plan} not found: the planning stage {task}_planning has not run")
+    calibrated = {
+        **read_protocol(root / path),
+        "frozen": frozen(root, path),
+        "plan": read_protocol(root / plan),
+        "plan_frozen": frozen(root, plan),
+    }
     config = {"analysis": params.analysis.model_dump(), "grid": params.grid.model_dump()}
     with tracking.stage_run(f"{task}_analysis", params.mlflow.experiment, config, tags={"task": task}) as (
         client,
@@ -105,14 +118,16 @@ def main(
             expected = [ExpectedRun(c.stage, c.out_dir) for c in task_cells]
             # every evaluation result must postdate the protocol; the calibration cells are what fixed it
             judged = {c.stage for c in task_cells}
-            # every param a stage of the task declares, except its evaluation instances: appending the next batch
-            # (make settle) is the pre-registered sequential design, not a change of protocol
-            watched = [k for k in watched_keys(root / "dvc.yaml", [f"{task}_"]) if k != f"{task}.instances"]
+            # every param a stage of the task declares, except its evaluation instances and their allocation to
+            # design groups: appending the next batch (make settle) is the pre-registered sequential design, not a
+            # change of protocol
+            settled = (f"{task}.instances", f"{task}.allocation")
+            watched = [k for k in watched_keys(root / "dvc.yaml", [f"{task}_"]) if not k.startswith(settled)]
             lock = protocol_lock(
                 root,
                 watched,
                 judged,
-                watched_files=[path.as_posix()],
+                watched_files=[path.as_posix(), plan.as_posix(), *DECIDING_CODE],
                 report_path=(REPORTS_DIR / task / "stats.json").as_posix(),
             )
             order = {task: params.tasks()[task].instances}

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:  # e.g. no gain to scale a margin by: the calibration cannot fix the protocol
         sys.exit(f"error: {e}")
     write_json(protocol_path(task), protocol)
-    show = {k: protocol[k] for k in ("margins", "kl_target", "coef", "control_coef", "tuned")}
+    show = {k: protocol[k] for k in ("margins", "levels", "coef", "acts_on_calibration", "control_coef", "tuned")}
     print(f"{protocol_path(task)}: {show}")
     return protocol
 

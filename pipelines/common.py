@@ -64,7 +64,7 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
     except ParamsError as e:
         sys.exit(f"error: {e}")
     tasks = params.tasks()
-    seeds = {t: [*s.calibration.instances, *s.instances] for t, s in tasks.items()}  # calibration ones too
+    seeds = {t: [*s.calibration.instances, *s.calibration.plan_instances, *s.instances] for t, s in tasks.items()}
     if len(args) != 2 or args[0] not in tasks or not args[1].isdigit() or int(args[1]) not in seeds[args[0]]:
         allowed = "; ".join(f"{t} {{{', '.join(map(str, s))}}}" for t, s in seeds.items())
         sys.exit(f"usage: python -m pipelines.{stage} <task> <instance>; allowed: {allowed} (got {' '.join(args)!r})")

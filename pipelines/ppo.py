@@ -23,7 +23,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ablations.experiment import SUMMARY_ALWAYS, Experiment, ParamsError, load_experiment, spec_of
-from ablations.grid import Cell, ProtocolFileError, find_cell, protocol_path, read_protocol, resolve
+from ablations.grid import ROLE_CELL, Cell, ProtocolFileError, find_cell, protocol_path, read_protocol, resolve
 from ablations.tasks import TASKS
 from pipelines import tracking
 from pipelines.common import atomic_dir, eval0_path, eval_sets, load_instance, setup, write_json
@@ -71,7 +71,7 @@ def cell_axes(cell: Cell, cfg: PPOConfig) -> dict:
 def resolved(params: Experiment, cell: Cell) -> Cell:
     """``cell`` with its KL config: a design cell takes its role's value from the calibration (protocol/<task>.json,
     a dependency of its stage); a clear error if the calibration has not run."""
-    if cell.kind != "design":
+    if cell.kind not in ROLE_CELL:
         return cell
     path = protocol_path(cell.task)
     if not path.is_file():
@@ -96,7 +96,7 @@ def initial_eval(cell: Cell) -> dict | None:
     when the cell's config differs from what it was made with (one line says so; the cell measures it itself)."""
     path = eval0_path(cell.task, cell.instance)
     if not path.is_file():
-        stage = f"{cell.task}{'_calibration' * cell.calibration}_eval0@{cell.instance}"
+        stage = f"{cell.task}_{cell.chain}eval0@{cell.instance}"
         raise FileNotFoundError(f"{path} not found: run its stage first (dvc repro {stage})")
     made = json.loads(path.read_text())
     ours = {k: getattr(cell.config, k) for k in made["made_with"]}

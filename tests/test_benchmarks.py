@@ -46,6 +46,7 @@ SMOKE = {
     "diagnostics_table.py": ["--warmup", "1", "--n-true", "16", "--n-minibatches", "2"],
     "no_kl_baselines.py": ["grammar", "0"],
     "overoptimisation.py": ["--seeds", "0"],
+    "skew_simulation.py": ["--smoke", "--fixture", str(REPO / "tests" / "ablations" / "data" / "v3_differences.csv")],
 }
 # bench_workers times the runner on a finished pipeline's outputs (data/, models/, runs/), which the toy project does
 # not have: here it must refuse in one line, naming what to run first (a real run takes minutes)

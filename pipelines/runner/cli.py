@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ablations.config import Params, ParamsError, load_params
-from ablations.grid import Cell, calibration_cells, evaluation_cells, upstream_chains
+from ablations.grid import Cell, calibration_cells, evaluation_cells, plan_cells, upstream_chains
 from pipelines import runner, tracking
 from pipelines.cpu import THREADS_ENV
 from pipelines.runner import mlflow_runs, plan
@@ -200,11 +200,17 @@ class Sweep:
 
     def cells(self) -> None:
         """Upstream, calibration cells and the calibrate stages (the protocol is fixed on the calibration cells before
-        any evaluation cell runs; dvc.yaml's DAG too), evaluation cells and the analyses."""
+        any evaluation cell runs; dvc.yaml's DAG too), the plan cells and the planning stages (each comparison's sample
+        size, fixed before any evaluation cell runs), evaluation cells and the analyses."""
         self.upstream()
         self.wave(calibration_cells(self.params), "calibration cells", "calibrate")
+        self.wave(plan_cells(self.params), "planning cells", "planning")
         if self.args.calibration_only:
-            print("calibration done: protocol/<task>.json written; commit it before the evaluation", flush=True)
+            print(
+                "calibration and plan done: protocol/<task>.json and protocol/<task>.plan.json written; commit them "
+                "before the evaluation",
+                flush=True,
+            )
             return
         self.wave(evaluation_cells(self.params), "grid cells", None if self.args.no_analysis else "analysis")
 
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None, run_cell=ppo_cell, run_stage=upstream_st
     )
     ap.add_argument("--no-analysis", action="store_true", help="stop after the grid cells")
     ap.add_argument(
-        "--calibration-only", action="store_true", help="stop once the calibration has fixed protocol/<task>.json"
+        "--calibration-only", action="store_true", help="stop once the calibration and the plan are fixed (protocol/)"
     )
     ap.add_argument(
         "--commit-every", type=float, default=60.0, help="seconds between recordings of finished cells (default 60)"

@@ -29,11 +29,11 @@ def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cel
 @dataclass(frozen=True)
 class Tail:
     """A stage that follows a wave of cells, one per task: ``<task>_calibrate`` after the calibration cells,
-    ``<task>_analysis`` after the evaluation cells (dvc.yaml's ``python -m pipelines.<kind> <task>``). It runs in a
-    worker as soon as every cell of its task in the wave has finished."""
+    ``<task>_planning`` after the plan cells, ``<task>_analysis`` after the evaluation cells (each runs its dvc.yaml
+    command). It runs in a worker as soon as every cell of its task in the wave has finished."""
 
     task: str
-    kind: str  # "calibrate" or "analysis"
+    kind: str  # "calibrate", "planning" or "analysis"
 
     @property
     def stage(self) -> str:

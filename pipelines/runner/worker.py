@@ -1,5 +1,5 @@
 """What runs in a worker process, local (pipelines.runner.local) or Ray (pipelines.runner.ray): one cell, one
-upstream stage or one stage after a wave (calibrate, analysis: local workers only), with what it ran with (the
+upstream stage or one stage after a wave (calibrate, planning, analysis: local workers only), with what it ran with (the
 params.yaml text and the protocol files it read)."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def upstream_stage(params, up: Upstream) -> dict:
     and tracking.stage_run marks its MLflow run FAILED, as for a cell. The stage writes its outputs atomically."""
     group, instance = up.stage.split("@")
     task, kind = group.rsplit("_", 1)
-    task = task.removesuffix("_calibration")  # grammar_calibration_sft@0: the grammar task's sft stage
+    task = task.removesuffix("_calibration").removesuffix("_plan")  # grammar_calibration_sft@0: grammar's sft stage
     mlflow_runs.ready(params.mlflow.experiment)
     start = time.perf_counter()
     try:
@@ -148,7 +148,7 @@ def _declared(stage: str) -> tuple[list[str], list[Path]]:
 
 
 def tail_stage(params, tail: Tail) -> dict:
-    """Runs ``<task>_calibrate`` or ``<task>_analysis`` in this worker as `dvc repro` runs it: its declared outputs
+    """Runs ``<task>_calibrate``, ``<task>_planning`` or ``<task>_analysis`` in this worker as `dvc repro` runs it: its declared outputs
     removed first (DVC's ``Stage.remove_outs``: no file of an earlier run outlives this one), then its dvc.yaml
     command, ``python -m MODULE ARGS`` as ``runpy`` runs it (its ``__main__`` block included: a refusal is its one
     line). The stage writes its outputs atomically; the runner records it in dvc.lock like a cell."""

@@ -18,10 +18,11 @@ from . import synthetic as syn
 REF = "reward_k1"
 
 
-def rules(gain="peak", at="peak", fraction=1.0, margin_fraction=0.25, coefs=(0.01, 0.1, 1.0)) -> CalibrationParams:
-    """params.yaml's grammar calibration rules (any other knob) with these values."""
-    varied = dict(instances=[0, 1], coefs=list(coefs), margin_fraction=margin_fraction, gain=gain)
-    return CalibrationParams(**{**syn.RULES["grammar"], **varied, "target": dict(at=at, fraction=fraction)})
+def rules(gain="peak", margin_fraction=0.25, coefs=(0.01, 0.1, 1.0), acts=1.0, levels=(0.125, 0.25, 0.5),
+          log_kl_fraction=0.25) -> CalibrationParams:  # fmt: skip
+    return CalibrationParams(instances=[0, 1], plan_instances=[5, 6], coefs=list(coefs),
+                             margin_fraction=margin_fraction, gain=gain, acts=acts, levels=list(levels),
+                             log_kl_fraction=log_kl_fraction)  # fmt: skip
 
 
 # the no-KL runs: (instance, seed) -> (gold per evaluation, exact KL per evaluation); evaluation 0 is the SFT policy
@@ -63,7 +64,8 @@ def test_gain_is_peak_or_final_gold_minus_sft_and_the_margin_a_fraction_of_it():
     runs, evals = make(GOLD)
     peak = calibrate(runs, evals, rules(gain="peak", margin_fraction=0.25), metrics=("gold", "ood_gold"))
     assert peak["no_kl"]["gain"] == pytest.approx(0.85)
-    assert peak["margins"] == {"gold": pytest.approx(0.25 * 0.85), "ood_gold": pytest.approx(0.25 * 0.85)}
+    assert {k: v for k, v in peak["margins"].items() if k != "log_kl"} == {
+        "gold": pytest.approx(0.25 * 0.85), "ood_gold": pytest.approx(0.25 * 0.85)}  # fmt: skip
     final = calibrate(runs, evals, rules(gain="final", margin_fraction=0.5))
     assert final["no_kl"]["gain"] == pytest.approx(0.4) and final["margins"]["gold"] == pytest.approx(0.2)
     nk = peak["no_kl"]
@@ -80,38 +82,68 @@ def test_seeds_are_averaged_within_an_instance_before_the_instances():
     assert out["no_kl"]["gain"] == pytest.approx(((0.9 + 0.3) / 2 + 0.8) / 2)  # not (0.9 + 0.3 + 0.8) / 3
 
 
-def test_kl_target_is_a_fraction_of_the_median_kl_at_the_peak_or_at_the_end():
+def test_levels_are_fractions_of_the_median_final_kl_of_the_no_kl_runs():
     runs, evals = make(GOLD)
-    # peak KL: 2.0 (instance 0: the FIRST evaluation with the highest gold) and 4.0 -> median 3.0
-    assert calibrate(runs, evals, rules(at="peak", fraction=1.0))["kl_target"] == pytest.approx(3.0)
-    assert calibrate(runs, evals, rules(at="peak", fraction=0.5))["kl_target"] == pytest.approx(1.5)
-    assert calibrate(runs, evals, rules(at="final", fraction=1.0))["kl_target"] == pytest.approx(9.0)  # 8, 10
+    # final KL 8 and 10 -> median 9
+    assert calibrate(runs, evals, rules(levels=(0.1, 0.5, 0.9)))["levels"] == pytest.approx([0.9, 4.5, 8.1])
     assert calibrate(runs, evals)["no_kl"]["peak_kl"] == [2.0, 4.0]
+
+
+def test_coef_is_the_best_gold_among_the_coefficients_where_the_penalty_acts():
+    """Instance means: no KL final gold 0.5; reference arm 0.55 / 0.85 / 0.65 at 0.01 / 0.1 / 1.0, so the no-KL
+    contrast is -0.05 / -0.35 / -0.15 against a margin of 0.2125."""
+    runs, evals = make(GOLD)
+    out = calibrate(runs, evals, rules(acts=1.0))  # acts where |contrast| >= 0.2125: only 0.1
+    assert out["coef"] == 0.1 and out["acts_on_calibration"] is True
+    assert out["no_kl_contrast"] == {"0.01": pytest.approx(-0.05), "0.1": pytest.approx(-0.35),
+                                     "1": pytest.approx(-0.15)}  # fmt: skip
+    out = calibrate(runs, evals, rules(acts=2.0))  # nothing acts (0.425): the largest contrast, flagged
+    assert out["coef"] == 0.1 and out["acts_on_calibration"] is False
+    # RLVR-like: the best gold is where the penalty does least; the coef is the best among the acting ones
+    rlvr = {REF: {0.01: 0.5, 0.1: 0.45, 1.0: 0.1}, "loss_k3": GOLD["loss_k3"]}  # contrast -0.05, 0.0, 0.35
+    out = calibrate(*make(rlvr), rules(acts=1.0))
+    assert out["tuned"][REF] == 0.01 and out["coef"] == 1.0 and out["acts_on_calibration"] is True
+    assert out["no_kl_direction"]["gold"] == 1  # no KL keeps more gold than the reference arm at 1.0
 
 
 def test_best_coefficient_per_arm_ties_go_to_the_smaller():
     runs, evals = make(GOLD)
     out = calibrate(runs, evals)
-    assert out["coef"] == 0.1 and out["tuned"] == {REF: 0.1, "loss_k3": 0.01}
+    assert out["tuned"] == {REF: 0.1, "loss_k3": 0.01}
     tie = {REF: {0.01: 0.5, 0.1: 0.8, 1.0: 0.8}, "loss_k3": {0.01: 0.7, 0.1: 0.7, 1.0: 0.7}}
     out = calibrate(*make(tie))
-    assert out["coef"] == 0.1 and out["tuned"]["loss_k3"] == 0.01
+    assert out["tuned"] == {REF: 0.1, "loss_k3": 0.01}
     assert out["calibration_gold"][REF] == {"0.01": pytest.approx(0.55), "0.1": pytest.approx(0.85),
                                             "1": pytest.approx(0.85)}  # fmt: skip
 
 
-def test_control_is_the_coefficient_whose_gold_differs_by_closest_to_one_margin():
-    # margin = 0.25 x 0.85 = 0.2125; reference arm at its best 0.1 has gold 0.8: |0.8 - 0.5| = 0.3 (0.0875 from
-    # the margin), |0.8 - 0.6| = 0.2 (0.0125 from it) -> control 1.0
+def test_control_is_interpolated_in_log_beta_to_one_margin():
+    """From coef 0.1 (gold 0.85): the stronger side reaches only 0.2 at 1.0 (< the 0.2125 margin), so the weaker
+    side: 0.3 at 0.01, crossed at t = 0.2125 / 0.3 of the way in log beta: 0.1 x 10^-t."""
     out = calibrate(*make(GOLD))
-    assert out["control_coef"] == 1.0
-    assert out["control_effect"]["gold"] == pytest.approx(0.2)
-    # margin_fraction 1 (margin 0.85): 0.3 is closer to it than 0.2 -> 0.01
-    assert calibrate(*make(GOLD), rules(margin_fraction=1.0))["control_coef"] == 0.01
-    # ties go to the smaller coefficient: 0.01 and 1.0 both differ from 0.1 by 0.3
-    tie = {REF: {0.01: 0.5, 0.1: 0.8, 1.0: 0.5}, "loss_k3": GOLD["loss_k3"]}
-    assert calibrate(*make(tie))["control_coef"] == 0.01
-    assert C.choose_control(pd.Series({0.01: 0.25, 0.1: 0.5, 1.0: 0.75}), 0.1, 0.125) == 0.01
+    t = 0.2125 / 0.3
+    assert out["control_interpolated"] is True
+    assert out["control_coef"] == pytest.approx(0.1 * 10**-t)
+    assert out["control_effect"]["gold"] == pytest.approx(0.2125)  # exactly one margin, by construction
+    # log KL 5 / (1 + 10 c): ln 2.5 at 0.1, ln(5 / 1.1) at 0.01, interpolated the same way
+    lk = math.log(2.5) + t * (math.log(5 / 1.1) - math.log(2.5))
+    assert out["control_effect"]["log_kl"] == pytest.approx(math.log(2.5) - lk)
+    # the stronger side first: gold 0.5 at 1.0 crosses 0.2125 below 0.85 at t = 0.2125 / 0.35
+    strong = {REF: {0.01: 0.5, 0.1: 0.8, 1.0: 0.45}, "loss_k3": GOLD["loss_k3"]}
+    out = calibrate(*make(strong))
+    assert out["control_coef"] == pytest.approx(0.1 * 10 ** (0.2125 / 0.35))
+    # neither side reaches one margin: the nearest calibration coefficient, not interpolated
+    flat = {REF: {0.01: 0.75, 0.1: 0.8, 1.0: 0.7}, "loss_k3": GOLD["loss_k3"]}
+    out = calibrate(*make(flat), rules(acts=1.0))
+    assert out["control_interpolated"] is False and out["control_coef"] == 1.0
+    assert C.choose_control(pd.Series({0.01: 0.25, 0.1: 0.5, 1.0: 0.75}), 0.1, 0.125) == (
+        pytest.approx(0.1 * 10**0.5), True)  # fmt: skip
+
+
+def test_log_kl_margin_is_a_fraction_of_what_the_reference_arm_does_to_log_kl():
+    out = calibrate(*make(GOLD))  # no KL: mean(ln 8, ln 10); reference at 0.1: ln 2.5
+    want = 0.25 * abs((math.log(8) + math.log(10)) / 2 - math.log(2.5))
+    assert out["margins"] == {"gold": pytest.approx(0.2125), "log_kl": pytest.approx(want)}
 
 
 def test_directions_of_the_controls():
@@ -119,15 +151,8 @@ def test_directions_of_the_controls():
     no_kl_direction: the sign of (no KL - reference arm at coef), for gold and for log KL."""
     log_kl = {REF: {0.01: 2.0, 0.1: 1.0, 1.0: -1.0}, "loss_k3": {0.01: 2.0, 0.1: 1.5, 1.0: 0.0}}
     out = calibrate(*make(GOLD, log_kl=log_kl))
-    assert out["control_coef"] == 1.0
-    assert out["control_effect"] == {"gold": pytest.approx(0.2), "log_kl": pytest.approx(2.0)}
-    assert out["control_direction"] == {"gold": 1, "log_kl": 1}
-    # no KL final gold: mean(0.4, 0.6) = 0.5 < 0.85 (reference at 0.1); its final KL exp(mean log(8, 10)) > e^1.05
+    assert out["control_direction"] == {"gold": 1, "log_kl": -1}  # the weaker control: more KL, less gold
     assert out["no_kl_direction"] == {"gold": -1, "log_kl": 1}
-    worse = {REF: {0.01: 0.9, 0.1: 1.0, 1.0: 1.25}, "loss_k3": GOLD["loss_k3"]}  # the control costs nothing: +
-    out = calibrate(*make(worse, log_kl=log_kl))
-    assert out["coef"] == 1.0 and out["control_coef"] == 0.1  # |1.25 - 1.0| = 0.25 is closest to 0.2125
-    assert out["control_direction"] == {"gold": 1, "log_kl": -1}  # gold(1.0) > gold(0.1), log KL(1.0) < log KL(0.1)
 
 
 def test_refuses_a_calibration_without_gain_or_without_runs():
@@ -142,6 +167,11 @@ def test_refuses_a_calibration_without_gain_or_without_runs():
     one = {REF: {0.1: 0.8}, "loss_k3": {0.1: 0.6}}
     with pytest.raises(ValueError, match="second calibration coefficient"):
         calibrate(*make(one))
+    same = {REF: {0.01: 0.5, 0.1: 0.8, 1.0: 0.6}, "loss_k3": GOLD["loss_k3"]}
+    flat_kl = {a: dict.fromkeys((0.01, 0.1, 1.0), math.log(9)) for a in (REF, "loss_k3")}  # as no KL's
+    runs, evals = make(same, log_kl=flat_kl, no_kl={(0, 0): ([0.0, 0.9], [0.0, 9.0]), (1, 0): ([0.2, 1.0], [0.0, 9.0])})
+    with pytest.raises(ValueError, match="no log-KL margin"):
+        calibrate(runs, evals)
 
 
 def test_reads_only_calibration_runs():
@@ -168,11 +198,12 @@ def test_calibrate_on_synthetic_calibration_runs_gives_the_synthetic_protocol(tm
                       metrics=metrics)  # fmt: skip
     want = syn.calibrated(task)
     assert set(out) == set(want) - {"frozen"}
-    for key in ("coef", "control_coef", "tuned", "control_direction", "no_kl_direction", "calibration_instances"):
+    for key in ("coef", "tuned", "control_direction", "no_kl_direction", "calibration_instances"):
         assert out[key] == want[key], key
+    assert out["control_coef"] == pytest.approx(want["control_coef"], rel=0.3)
     assert set(out["no_kl"]) == set(want["no_kl"])
     for m in metrics:
         assert out["margins"][m] == pytest.approx(want["margins"][m], rel=0.2)
-    assert out["kl_target"] == pytest.approx(want["kl_target"], rel=0.25)
+    assert out["levels"] == pytest.approx(want["levels"], rel=0.25)
     for k, v in want["control_effect"].items():
         assert np.sign(out["control_effect"][k]) == np.sign(v)

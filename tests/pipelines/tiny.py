@@ -14,12 +14,15 @@ from tests.conftest import repo_params
 from tests.helpers import copy_code
 
 REPO = Path(__file__).resolve().parents[2]
+GROUPS = ("same_beta", "same_gradient", "frontier", "frontier_reward", "camps")  # params.yaml's design groups
 
 
 TINY = {
     "grammar": {
         "instances": [10, 11],  # evaluation instances: one batch of analysis.sequential.batch_size
-        "calibration": {"instances": [0], "coefs": [0.03, 0.1, 0.3]},  # disjoint from the evaluation instances
+        "allocation": {g: [10, 11] for g in GROUPS} | {"checks": []},
+        # disjoint from the evaluation instances
+        "calibration": {"instances": [0], "plan_instances": [1, 2], "coefs": [0.03, 0.1, 0.3]},
         "coefs": [],
         "kl_targets": [],
         "task": {
@@ -42,6 +45,9 @@ TINY = {
             "loss_k1": {"target": "reference", "placement": "loss", "estimator": "k1"},
             "reward_k3": {"target": "reference", "placement": "reward", "estimator": "k3"},
             "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
+            "loss_k3_isrtg": {
+                "target": "reference", "placement": "loss", "estimator": "k3", "is_weight": True, "return_to_go": True
+            },
         },
         "seeds": [0],
         "matched": {"init_coef": 0.1, "horizon": 100},
@@ -51,11 +57,14 @@ TINY = {
     # and every other task but grammar do not run here (tests/ablations cover arithmetic's protocol;
     # test_hf_pipeline runs its stages).
     **{
-        t: {"instances": [], "calibration": {"instances": []}, "coefs": [], "kl_targets": []}
+        t: {
+            "instances": [], "allocation": dict.fromkeys(GROUPS, []) | {"checks": []}, "calibration": {"instances": [], "plan_instances": []}, "coefs": [],
+            "kl_targets": [],
+        }
         for t in TASKS
         if t != "grammar"
     },
-    "analysis": {"reference_arm": "reward_k1", "sequential": {"batch_size": 2, "cap": 4}},
+    "analysis": {"reference_arm": "reward_k1", "sequential": {"batch_size": 2, "max_cap": 4, "simulations": 200}},
     "mlflow": {"experiment": "e2e"},
 }
 
