@@ -35,8 +35,8 @@ from pipelines import tracking
 
 REPORTS_DIR = Path("reports")
 METRICS = "metrics.json"  # reports/<task>/metrics.json: the task's only DVC metrics
-CALIBRATED = {"coef": "beta", "control_coef": "control_beta", "kl_target": "kl_target"}  # protocol key -> metric
-QUESTION_FIELDS = ("verdict", "estimate", "lo", "hi", "n")  # per primary question: <question>_<field>
+CALIBRATED = {"coef": "beta", "control_coef": "control_beta"}  # protocol key -> metric
+QUESTION_FIELDS = ("verdict", "label", "estimate", "lo", "hi", "n", "cap")  # per comparison: <comparison>_<field>
 SWEEP = ("_estimate", "n_instances")  # the numbers of metrics.json the sweep's MLflow run gets (a chart each)
 
 
@@ -46,19 +46,21 @@ def identifier(text: str) -> str:
 
 
 def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instances: int, protocol: dict) -> dict:
-    """metrics.json: the headline, each primary question's verdict, estimate, CI (lo, hi, at the level its look
-    spent) and n, the number of instances, the error budget's alpha, and what calibration fixed (the reference arm's
-    β, the control's β, the KL target, each margin, each tuned arm's β). Flat keys, the same in every task's file
+    """metrics.json: the headline, each primary comparison's verdict, label, estimate, CI (lo, hi, at the level its
+    look spent), n and planned cap, the number of instances, the error budget's alpha, and what calibration fixed (the
+    reference arm's β where the penalty acts, the control's β, the frontier's KL levels, each margin, each tuned
+    arm's β). Flat keys, the same in every task's file
     (`dvc metrics show` lines the tasks up, one row each; `dvc exp show` names a column ``<file>:<key>``), generic
     over the questions ``analyse`` returned. A number that is not finite is left out (a question not yet decided
     has no CI)."""
     out: dict = {"headline": headline}
     for row in primary:
-        q = identifier(row["question"])
+        q = identifier(row["comparison"])
         for f in QUESTION_FIELDS:
             out[f"{q}_{f}"] = row.get(f)
     out |= {"n_instances": int(n_instances), "alpha": budget.get("alpha")}
     out |= {name: protocol.get(key) for key, name in CALIBRATED.items()}
+    out |= {f"kl_level_{k}": v for k, v in enumerate(protocol.get("levels") or [], 1)}
     out |= {f"margin_{identifier(m)}": v for m, v in (protocol.get("margins") or {}).items()}
     out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
     keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
