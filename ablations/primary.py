@@ -116,7 +116,8 @@ def steerable(t: pd.DataFrame, n: int, min_hit_rate: float) -> bool:
 def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams, n_comparisons: int, cap: int) -> dict:
     """One comparison's path of looks and its decision on its per-instance table ``t`` (ablations.comparisons)."""
     sch = schedule(proto, n_comparisons, cap)
-    n = min((len(t) // sch.batch_size) * sch.batch_size, sch.cap)  # complete batches only, up to the cap
+    available = len(t)
+    n = min((available // sch.batch_size) * sch.batch_size, sch.cap)  # complete batches only, up to the cap
     t = t.iloc[:n]
     d = t.d.to_numpy(float)
     acts = None if t.acts.isna().all() else t.acts.to_numpy(float)
@@ -147,7 +148,7 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         "status": dec["status"],
         "settled": dec["settled"],
         "n": m,
-        "n_available": len(t),
+        "n_available": available,
         "looks": dec["looks"],
         "looks_decided": dec["j"],
         "a_j": dec.get("a_j"),

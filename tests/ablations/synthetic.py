@@ -1,11 +1,15 @@
-"""Synthetic run directories in the grid's layout (protocol v3), with planted behaviour, for the analysis tests.
+"""Synthetic run directories in the grid's layout (protocol v4), with planted behaviour, for the analysis tests.
 
 Evaluation runs (``write_runs``): on each evaluation instance the no-KL baseline, every design cell
-``<arm>-<role>`` resolved against a calibrated protocol dict (``calibrated``: the keys ablations/calibration.py
-``calibrate`` returns, values that fit the planted curves; runs/<task>/design/<i>-<arm>-<role>-<s>, summary kind
-fixed or matched with its ``role``), and optionally exploratory fixed/matched cells. Calibration runs
-(``write_calibration_runs``): the no-KL baseline and each calibration arm at each calibration coefficient on the
-calibration instances, for ablations/calibration.py.
+``<arm>-<role>`` of params.yaml's grid.design (by group, each group on the instances its allocation gives it)
+resolved against a calibrated protocol dict (``calibrated``: the keys ablations/calibration.py ``calibrate``
+returns, values that fit the planted curves, with a synthetic sample-size plan, ``plan``;
+runs/<task>/design/<i>-<arm>-<role>-<s>, summary kind fixed or, for a level role, matched, with its ``role``), and
+optionally exploratory fixed/matched cells. Calibration runs (``write_calibration_runs``): the no-KL baseline and
+each calibration arm at each calibration coefficient on the calibration instances, for ablations/calibration.py.
+Planning runs (``write_plan_runs``): the no-KL baseline and every design entry on the planning instances, for
+ablations/plan.py. Arms, design, primary questions, checks, calibration rules and coefficients are params.yaml's
+(``_params``), never copied here.
 
 Each run's final exact KL follows from its arm and coefficient (fixed runs), its KL target (matched runs) or nothing
 (no KL): K0 / (1 + restraint x 40 x coef), K0 about 18 nats per instance; its gold follows an over-optimisation
@@ -33,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ablations.experiment import SHARED, split_entry
 from ablations.load import BASELINE, ExpectedRun
 
 ITERS = np.arange(0, 65, 5)
@@ -93,8 +98,8 @@ class Behaviour:
 FLAT = lambda task, kl: {"gold": 0.0 * kl}  # no gain and no over-optimisation: no KL = any KL in gold
 
 
-def spec(placement: str, estimator: str, target: str = "reference", algorithm: str = "ppo") -> dict:
-    return dict(algorithm=algorithm, target=target, placement=placement, estimator=estimator)
+def spec(placement: str, estimator: str, target: str = "reference", algorithm: str = "ppo", **options) -> dict:
+    return dict(algorithm=algorithm, target=target, placement=placement, estimator=estimator, **options)
 
 
 def config(sp: dict, coef, kl_target, seed: int) -> dict:
@@ -111,60 +116,97 @@ def config(sp: dict, coef, kl_target, seed: int) -> dict:
     return small_ppo_config(kl=kl, algorithm=sp["algorithm"], seed=seed, **group).model_dump(mode="json")
 
 
-# the arms of params.yaml: placement x estimator for the two camps' estimators
-CROSSED = {f"{p}_{e}": spec(p, e) for e in ("k1", "k3") for p in ("reward", "loss")}
-REFERENCE = "reward_k1"
-CALIBRATION_ARMS = ("reward_k1", "loss_k3")
-# params.yaml's design: every arm at the reference arm's best coefficient, the margin-sized control, loss_k3 at its
-# own best coefficient, and the k3 arms steered to the calibrated KL target
-DESIGN = ("reward_k1-coef", "loss_k1-coef", "reward_k3-coef", "loss_k3-coef", "reward_k1-control", "loss_k3-tuned",
-          "reward_k3-target", "loss_k3-target")  # fmt: skip
-PRIMARY = {
-    "Q1": dict(arm="loss_k1", other="reward_k1", role="coef", metric="log_kl"),
-    "Q2": dict(arm="loss_k3", other="reward_k3", role="coef", metric="gold"),
-    "Q3": dict(arm="loss_k3", other="reward_k3", role="target", metric="gold"),
-    "Q4": dict(arm="loss_k3", other="reward_k1", role="tuned", metric="gold"),
-}
-CALIBRATION_COEFS = {"grammar": (0.01, 0.03, 0.1, 0.3), "arithmetic": (0.03, 0.1, 0.3, 1.0)}
-
-
 def _params() -> dict:
-    """The repository's params.yaml: every protocol and calibration value the synthetic grid does not plant comes
-    from there, so a new knob needs a value in params.yaml only (never a copy here)."""
+    """The repository's params.yaml: every protocol, design and calibration value the synthetic grid does not plant
+    comes from there, so a new knob, arm, design cell or primary question needs a value in params.yaml only (never a
+    copy here)."""
     from ..conftest import repo_params
 
     return repo_params()
 
 
+_P = _params()
+# params.yaml's arms (every design cell's arm among them); CROSSED: placement x estimator for the two camps'
+# estimators, the arms the exploratory families cross
+ARMS = {name: spec(**{"algorithm": "ppo", **arm}) for name, arm in _P["grid"]["arms"].items()}
+CROSSED = {f"{p}_{e}": ARMS[f"{p}_{e}"] for e in ("k1", "k3") for p in ("reward", "loss")}
+REFERENCE = _P["analysis"]["reference_arm"]
+CALIBRATION_ARMS = tuple(_P["grid"]["calibration_arms"])
+# params.yaml's design, by group (<arm>-<role> entries), and flat; its primary questions and checks
+GROUPS = {g: tuple(cells) for g, cells in _P["grid"]["design"].items()}
+DESIGN = tuple(e for cells in GROUPS.values() for e in cells)
+PRIMARY = _P["analysis"]["primary"]
+CHECKS = _P["analysis"]["checks"]
+CALIBRATION_COEFS = {t: tuple(_P[t]["calibration"]["coefs"]) for t in ("grammar", "arithmetic")}
+# the groups that run on evaluation instances (params.yaml allocates grammar's some; `checks` runs on the planning
+# instances only)
+EVALUATED = tuple(g for g in GROUPS if g == SHARED or _P["grammar"]["allocation"][g])
+CAP = 12  # the synthetic plan's cap of every comparison: 3 looks of 4, only the last reachable at alpha/9
+
 # each task's calibration rules: params.yaml's, on the synthetic calibration instances and coefficients
 RULES = {
-    task: {**_params()[task]["calibration"], "instances": [0, 1, 2], "coefs": list(coefs)}
+    task: {**_P[task]["calibration"], "instances": [0, 1, 2], "coefs": list(coefs)}
     for task, coefs in CALIBRATION_COEFS.items()
 }
 
 
-def calibrated(task: str = "grammar", **overrides) -> dict:
-    """A calibrated protocol dict with every key ablations.calibration.calibrate returns (plus the ``frozen`` record
-    pipelines/analysis.py adds), its values those of the planted curves on calibration instances 0-2 (checked
-    against calibrate() on write_calibration_runs in test_calibration.py). Grammar: peak gain 0.12 -> margin 0.03;
-    the reference arm is best at 0.1 (final KL 3.6, at the gold peak); the control 0.3 (KL 1.4) costs it 0.02 gold
-    and lowers its log KL by 0.96 (0.03, KL 8.2, costing 0.022, is nearly as close to one margin); no KL ends past
-    the peak (below the reference arm). Arithmetic: gold rises with
-    KL, so the smallest coefficient is best, the control is 0.1 and no KL ends above the reference arm."""
+def comparison_names(n_levels: int = 3, questions: dict | None = None) -> list[str]:
+    """The primary comparisons of ``questions`` (default params.yaml's), a levels question once per level."""
+    from ablations.comparisons import comparisons
+    from ablations.protocol_params import Primary
+
+    qs = {q: Primary(**v) for q, v in (PRIMARY if questions is None else questions).items()}
+    return [c.name for c in comparisons(qs, n_levels)]
+
+
+def plan(task: str = "grammar", cap: int | dict = CAP, questions: dict | None = None, n_levels: int = 3) -> dict:
+    """A protocol/<task>.plan.json as pipelines/plan.py writes it (ablations/plan.py): every comparison's cap
+    (``cap``: one for all, or by comparison name, default CAP) and planning noise (values for the report only)."""
+    names = comparison_names(n_levels, questions)
+    caps = {c: (cap.get(c, CAP) if isinstance(cap, dict) else cap) for c in names}
+    s = _P["analysis"]["sequential"]
+    comp = {c: dict(cap=k, reached=True, power_pos=0.9, power_neg=0.9, power_equivalent=0.5, margin=0.03, level=None,
+                    n_plan=8, median=0.0, sd=0.03, sd_margins=1.0, skewness=0.0, hit_rate_arm=None,
+                    hit_rate_other=None) for c, k in caps.items()}  # fmt: skip
+    rule = dict(test="sign test of the median", alpha=_P["analysis"]["alpha"], comparisons=len(names),
+                alpha_per_comparison=_P["analysis"]["alpha"] / len(names), batch_size=4, max_cap=max(caps.values()),
+                power=s["power"], effect_margins=s["effect"], simulations=s["simulations"])  # fmt: skip
+    return {"task": task, "plan_instances": list(_P[task]["calibration"]["plan_instances"]), "rule": rule,
+            "comparisons": comp}  # fmt: skip
+
+
+def calibrated(task: str = "grammar", plan_: dict | None = None, **overrides) -> dict:
+    """A calibrated protocol dict with every key ablations.calibration.calibrate returns (plus the ``frozen``, ``plan``
+    and ``plan_frozen`` records pipelines/analysis.py adds), its values those of the planted curves on calibration
+    instances 0-2 (checked against calibrate() on write_calibration_runs in test_calibration.py); ``plan_``: the
+    plan (default ``plan(task)``: every comparison capped at CAP).
+
+    Grammar: peak gain 0.12 -> gold margin 0.03; the penalty acts (no-KL contrast >= 2 margins) at every
+    calibration coefficient and gold is best at 0.1 (final KL 3.6, at the gold peak): coef 0.1; the control is
+    interpolated on the weaker side (0.023, KL about 9) and costs one margin of gold, raising log KL by about 0.93
+    (the log-KL margin 0.4: 1/4 of no KL's ln 18 - ln 3.6); no KL ends past the peak (below the reference arm in
+    gold, above it in log KL); levels 1/8, 1/4, 1/2 of no KL's median final KL (16.8 nats on instances 0-2).
+    Arithmetic: gold rises with KL, so the weakest coefficient (0.03) is each arm's best but the penalty acts there
+    by less than 2 margins: the questions ask at 0.3 (the best acting coefficient), the control is 0.12 (more KL,
+    more gold), no KL ends above the reference arm; log-KL margin 1/4 of ln 13."""
     if task == "grammar":
-        out = dict(margins={"gold": 0.03}, kl_target=4.0, coef=0.1, tuned={"reward_k1": 0.1, "loss_k3": 0.1},
-                   control_coef=0.3, control_effect={"gold": 0.02, "log_kl": 0.96},
-                   control_direction={"gold": 1, "log_kl": 1}, no_kl_direction={"gold": -1, "log_kl": 1},
-                   no_kl=dict(sft_gold=0.0, peak_gold=0.12, final_gold=-0.03, peak_kl=[4.5] * 3, final_kl=[18.0] * 3,
-                              peak_iteration=[20] * 3, gain=0.12))  # fmt: skip
+        out = dict(margins={"gold": 0.03, "log_kl": 0.4}, levels=[2.1, 4.2, 8.4], coef=0.1, acts_on_calibration=True,
+                   no_kl_contrast={"0.01": -0.07, "0.03": -0.12, "0.1": -0.14, "0.3": -0.11},
+                   tuned={"reward_k1": 0.1, "loss_k3": 0.1}, control_coef=0.023, control_interpolated=True,
+                   control_effect={"gold": 0.03, "log_kl": -0.93}, control_direction={"gold": 1, "log_kl": -1},
+                   no_kl_direction={"gold": -1, "log_kl": 1},
+                   no_kl=dict(sft_gold=0.0, peak_gold=0.12, final_gold=-0.03, final_log_kl=2.9, peak_kl=[4.5] * 3,
+                              final_kl=[18.0] * 3, peak_iteration=[20] * 3, gain=0.12))  # fmt: skip
     else:
-        out = dict(margins={"gold": 0.1, "ood_gold": 0.1}, kl_target=9.0, coef=0.03,
-                   tuned={"reward_k1": 0.03, "loss_k3": 0.03}, control_coef=0.1,
-                   control_effect={"gold": 0.11, "log_kl": 0.82}, control_direction={"gold": 1, "log_kl": 1},
+        out = dict(margins={"gold": 0.1, "ood_gold": 0.1, "log_kl": 0.64}, levels=[2.1, 4.2, 8.4], coef=0.3,
+                   acts_on_calibration=True, no_kl_contrast={"0.03": 0.06, "0.1": 0.18, "0.3": 0.3, "1": 0.37},
+                   tuned={"reward_k1": 0.03, "loss_k3": 0.03}, control_coef=0.12, control_interpolated=True,
+                   control_effect={"gold": -0.1, "log_kl": -0.81}, control_direction={"gold": -1, "log_kl": -1},
                    no_kl_direction={"gold": 1, "log_kl": 1},
-                   no_kl=dict(sft_gold=0.3, peak_gold=0.7, final_gold=0.7, peak_kl=[18.0] * 3, final_kl=[18.0] * 3,
-                              peak_iteration=[60] * 3, gain=0.4))  # fmt: skip
+                   no_kl=dict(sft_gold=0.3, peak_gold=0.7, final_gold=0.7, final_log_kl=2.9, peak_kl=[18.0] * 3,
+                              final_kl=[18.0] * 3, peak_iteration=[60] * 3, gain=0.4))  # fmt: skip
     coefs = CALIBRATION_COEFS[task]
+    rec = lambda path: {"path": path, "sha256": "0" * 64, "commit": None}
     out = {
         "task": task,
         "calibration_instances": [0, 1, 2],
@@ -172,7 +214,9 @@ def calibrated(task: str = "grammar", **overrides) -> dict:
         **out,
         "calibration_gold": {a: {f"{c:g}": 0.0 for c in coefs} for a in CALIBRATION_ARMS},
         "calibration_log_kl": {a: {f"{c:g}": 0.0 for c in coefs} for a in CALIBRATION_ARMS},
-        "frozen": {"path": f"protocol/{task}.json", "sha256": "0" * 64, "commit": None},
+        "frozen": rec(f"protocol/{task}.json"),
+        "plan": plan(task) if plan_ is None else plan_,
+        "plan_frozen": rec(f"protocol/{task}.plan.json"),
     }
     out.update(overrides)
     return out
@@ -180,10 +224,11 @@ def calibrated(task: str = "grammar", **overrides) -> dict:
 
 def role_cell(cal: dict, arm: str, role: str, initial_coef: float) -> tuple[str, float, float | None]:
     """(kind, coef, kl_target) of a design cell resolved against ``cal`` (as ablations/grid.py resolve does)."""
+    from ablations.experiment import role_kind
     from ablations.grid import role_value
 
     value = role_value(cal, arm, role)
-    return ("matched", initial_coef, value) if role == "target" else ("fixed", value, None)
+    return ("matched", initial_coef, value) if role_kind(role) == "level" else ("fixed", value, None)
 
 
 def _curves(task: str, kl: np.ndarray) -> dict[str, np.ndarray]:
@@ -212,6 +257,13 @@ class _Cell:
     coef: float
     kl_target: float | None = None
     role: str | None = None
+    group: str | None = None  # a design or plan cell's grid.design group
+    instances: tuple | None = None  # the instances it runs on (None: every one written)
+
+    @property
+    def stage_group(self) -> str:
+        """The dvc.yaml stage group (as ablations/grid.py Cell.group names it)."""
+        return self.folder if self.group in (None, SHARED) else f"{self.folder}_{self.group}"
 
     def name(self, i: int, s: int) -> str:
         if self.arm == BASELINE:
@@ -232,6 +284,8 @@ def _write_cells(root, task, cells, arms, behaviours, instances, seeds, *, misse
     for c in cells:
         b = behaviours.get(c.arm, Behaviour())
         for pos, i in enumerate(instances):
+            if c.instances is not None and i not in c.instances:
+                continue
             sft, gain, k0 = inst[i]
             for s in seeds:
                 final_kl = k0 / (1 + (0 if c.arm == BASELINE else b.restraint) * 40 * c.coef)
@@ -261,7 +315,7 @@ def _write_cells(root, task, cells, arms, behaviours, instances, seeds, *, misse
                 rel = Path("runs") / task / c.folder / name
                 sp = spec("none", "none") if c.arm == BASELINE else arms[c.arm]
                 summary = dict(
-                    stage=f"{task}_{c.folder}@{name}", task=task, kind=c.kind, role=c.role, instance=i, seed=s,
+                    stage=f"{task}_{c.stage_group}@{name}", task=task, kind=c.kind, role=c.role, instance=i, seed=s,
                     arm=c.arm, coef=c.coef, kl_target=c.kl_target, **sp, config=config(sp, c.coef, c.kl_target, s),
                     **{f"final_{m}": float(ev[m].iloc[-1]) for m in ev.columns if m != "iteration"},
                     **{f"sft_{m}": float(ev[m].iloc[0]) for m in ev.columns if m != "iteration"},
@@ -276,6 +330,15 @@ def _write_cells(root, task, cells, arms, behaviours, instances, seeds, *, misse
     return out
 
 
+def _design(design) -> list[tuple[str, str, str]]:
+    """(group, arm, role) of ``design``: a mapping group -> entries, or entries (each in the group params.yaml gives
+    it; the shared group if none)."""
+    if isinstance(design, dict):
+        return [(g, *split_entry(e)) for g, cells in design.items() for e in cells]
+    group = {e: g for g, cells in GROUPS.items() for e in cells}
+    return [(group.get(e, SHARED), *split_entry(e)) for e in design]
+
+
 def write_runs(
     root: Path,
     *,
@@ -284,7 +347,8 @@ def write_runs(
     behaviours: dict[str, Behaviour] | None = None,
     instances=range(12),
     seeds=(0,),
-    design=DESIGN,
+    design=None,
+    allocation: dict[str, list[int]] | None = None,
     protocol: dict | None = None,
     coefs=(),
     targets=(),
@@ -298,17 +362,19 @@ def write_runs(
     diag_absent: bool = False,
 ) -> list[ExpectedRun]:
     """Writes every evaluation run of a synthetic grid under ``root``: the no-KL baseline, the ``design`` cells
-    resolved against ``protocol`` (default ``calibrated(task)``) and the exploratory cells (every arm at ``coefs``
-    and ``targets``); returns the expected runs. ``misses``: (arm, target, instance, seed) matched runs that end
-    60% above their target; ``curves(task, kl)`` replaces the gold-vs-KL curves; ``diagnostics``, ``diag_kinds``,
-    ``diag_absent``: the gradient diagnostics (module docstring)."""
-    arms = CROSSED if arms is None else arms
+    (default: every group params.yaml allocates evaluation instances to, EVALUATED) resolved against ``protocol``
+    (default ``calibrated(task)``), each group on the instances ``allocation`` gives it (default: every one), and the
+    exploratory cells (every arm at ``coefs`` and ``targets``); returns the expected runs. ``misses``: (arm, target,
+    instance, seed) matched runs that end 60% above their target; ``curves(task, kl)`` replaces the gold-vs-KL
+    curves; ``diagnostics``, ``diag_kinds``, ``diag_absent``: the gradient diagnostics (module docstring)."""
+    arms = ARMS if arms is None else arms
     cal = calibrated(task) if protocol is None else protocol
+    allocation = allocation or {}
     cells = [_Cell(BASELINE, "baseline", "baseline", 0.0)]
-    for entry in design:
-        arm, _, role = entry.rpartition("-")
+    for group, arm, role in _design({g: GROUPS[g] for g in EVALUATED} if design is None else design):
         kind, coef, target = role_cell(cal, arm, role, initial_coef)
-        cells.append(_Cell(arm, kind, "design", coef, target, role))
+        only = None if group == SHARED or group not in allocation else tuple(allocation[group])
+        cells.append(_Cell(arm, kind, "design", coef, target, role, group, only))
     cells += [_Cell(a, "fixed", "fixed", c) for a in arms for c in coefs]
     cells += [_Cell(a, "matched", "matched", initial_coef, t) for a in arms for t in targets]
     return _write_cells(
@@ -316,6 +382,31 @@ def write_runs(
         rng=np.random.default_rng(rng_seed), curves=curves, diagnostics=diagnostics, diag_kinds=diag_kinds,
         diag_absent=diag_absent, drng=np.random.default_rng(rng_seed + 1),
     )  # fmt: skip
+
+
+def write_plan_runs(
+    root: Path,
+    *,
+    task: str = "grammar",
+    behaviours: dict[str, Behaviour] | None = None,
+    instances=None,
+    seeds=(0,),
+    protocol: dict | None = None,
+    noise: float = 0.005,
+    rng_seed: int = 3,
+    curves=None,
+) -> list[ExpectedRun]:
+    """Writes the planning runs (kinds plan_baseline, and fixed or matched with a role, under runs/<task>/plan/) of
+    the planning ``instances`` (default params.yaml's plan_instances): the no-KL baseline and every design entry of
+    every group, resolved against ``protocol`` (default ``calibrated(task)``), as ablations/grid.py plan_cells."""
+    cal = calibrated(task) if protocol is None else protocol
+    instances = _P[task]["calibration"]["plan_instances"] if instances is None else instances
+    cells = [_Cell(BASELINE, "plan_baseline", "plan_baseline", 0.0)]
+    for group, arm, role in _design(GROUPS):
+        kind, coef, target = role_cell(cal, arm, role, _P["grid"]["matched"]["init_coef"])
+        cells.append(_Cell(arm, kind, "plan", coef, target, role, group))
+    return _write_cells(root, task, cells, ARMS, behaviours or {}, list(instances), seeds, noise=noise,
+                        rng=np.random.default_rng(rng_seed), curves=curves)  # fmt: skip
 
 
 def write_calibration_runs(
@@ -336,21 +427,21 @@ def write_calibration_runs(
     coefs = CALIBRATION_COEFS[task] if coefs is None else coefs
     cells = [_Cell(BASELINE, "calibration_baseline", "calibration_baseline", 0.0)]
     cells += [_Cell(a, "calibration", "calibration", c) for a in arms for c in coefs]
-    return _write_cells(root, task, cells, CROSSED, behaviours or {}, list(instances), seeds, noise=noise,
+    return _write_cells(root, task, cells, ARMS, behaviours or {}, list(instances), seeds, noise=noise,
                         rng=np.random.default_rng(rng_seed), curves=curves)  # fmt: skip
 
 
 def protocol(tasks=("grammar",), **overrides):
-    """An AnalysisParams for the synthetic grid: params.yaml's analysis section (every knob), but a cap of 12
-    instances (3 looks of 4, the first two unreachable by the exact test at alpha/4/3, the third reachable), the
-    synthetic arms and questions and ``overrides``."""
+    """An AnalysisParams for the synthetic grid: params.yaml's analysis section (every knob, its primary questions and
+    checks), batches of 4 up to a max cap of CAP (each comparison's own cap is the plan's: ``plan``), the tasks
+    ``tasks`` and ``overrides``."""
     from ablations.config import AnalysisParams
 
     analysis = _params()["analysis"]
-    raw = {**analysis, "reference_arm": REFERENCE, "primary": PRIMARY}
-    raw["sequential"] = {**analysis["sequential"], "batch_size": 4, "cap": 12}
+    raw = {**analysis, "reference_arm": REFERENCE, "primary": PRIMARY, "checks": CHECKS}
+    raw["sequential"] = {**analysis["sequential"], "batch_size": 4, "max_cap": CAP}
     raw.update(overrides)
-    raw["tasks"] = {t: {**analysis["tasks"][t], "min_log_kl_reduction": math.log(2)} for t in tasks}  # exactly ln 2
+    raw["tasks"] = {t: analysis["tasks"][t] for t in tasks}
     return AnalysisParams(**raw)
 
 

@@ -197,13 +197,13 @@ def test_calibrate_on_synthetic_calibration_runs_gives_the_synthetic_protocol(tm
     out = C.calibrate(runs, evals, task=task, rules=r, reference_arm=REF, arms=list(syn.CALIBRATION_ARMS),
                       metrics=metrics)  # fmt: skip
     want = syn.calibrated(task)
-    assert set(out) == set(want) - {"frozen"}
-    for key in ("coef", "tuned", "control_direction", "no_kl_direction", "calibration_instances"):
+    assert set(out) == set(want) - {"frozen", "plan", "plan_frozen"}
+    for key in ("coef", "acts_on_calibration", "tuned", "control_interpolated", "control_direction",
+                "no_kl_direction", "calibration_instances"):  # fmt: skip
         assert out[key] == want[key], key
-    assert out["control_coef"] == pytest.approx(want["control_coef"], rel=0.3)
+    assert out["control_coef"] == pytest.approx(want["control_coef"], rel=0.1)
     assert set(out["no_kl"]) == set(want["no_kl"])
-    for m in metrics:
-        assert out["margins"][m] == pytest.approx(want["margins"][m], rel=0.2)
-    assert out["levels"] == pytest.approx(want["levels"], rel=0.25)
-    for k, v in want["control_effect"].items():
-        assert np.sign(out["control_effect"][k]) == np.sign(v)
+    assert out["margins"] == pytest.approx(want["margins"], rel=0.1)
+    assert out["levels"] == pytest.approx(want["levels"], rel=0.1)
+    assert out["no_kl_contrast"] == pytest.approx(want["no_kl_contrast"], abs=0.01)
+    assert out["control_effect"] == pytest.approx(want["control_effect"], rel=0.1)
