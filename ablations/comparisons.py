@@ -116,9 +116,9 @@ def _direction(sign) -> int:
 def table(
     runs: pd.DataFrame, evals: pd.DataFrame, c: Comparison, protocol: dict, reference: str, kl_tolerance: float
 ) -> tuple[pd.DataFrame, dict]:
-    """The comparison's per-instance table (instances having every cell it reads, sorted) with columns d, control,
-    acts (NaN where it has no such check), hit_arm, hit_other (level roles), and its meta: margin, acts_margin,
-    control_direction, acts_direction, level value."""
+    """The comparison's per-instance table (instances having every cell it reads, sorted) with columns d, arm and
+    other (the two sides, d = arm - other), control, acts (NaN where it has no such check), hit_arm, hit_other (level
+    roles), and its meta: margin, acts_margin, control_direction, acts_direction, level value."""
     runs = with_log_kl(runs)
     metric = c.spec.metric
     col = COLUMN[metric]
@@ -147,7 +147,7 @@ def table(
         else:  # tuned: the calibrated no-KL contrast of the reference arm at the other arm's tuned coefficient
             sign = protocol.get("no_kl_contrast", {}).get(f"{coef:g}") if metric != "log_kl" else None
         meta |= {"acts_margin": margin, "acts_direction": _direction(sign)}
-    t = pd.DataFrame({"d": arm - other, "control": control})
+    t = pd.DataFrame({"d": arm - other, "arm": arm, "other": other, "control": control})
     t["acts"] = np.nan if acts is None else acts
     if level is not None:
         final_kl = lambda arm_: _per_instance(runs, arm_, c.role, "final_kl")

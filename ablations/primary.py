@@ -172,6 +172,7 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         "steerable": at.get("steerable", True),
         "differences": {int(i): float(x) for i, x in zip(t.index[:m], d[:m])},
         **(_t_beside(d[:m], dec["a_j"]) if m and dec.get("a_j") else _t_beside(np.array([]), 0.05)),
+        **beside_rliable(t.arm.to_numpy(float)[:m], t.other.to_numpy(float)[:m]),
         "path": [_look(x) for x in looks],
     }
     return row

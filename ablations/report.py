@@ -64,8 +64,20 @@ def primary_sentence(r: dict) -> str:
         f"{head} ({r['status']} at n = {r['n']} of its cap {r['cap']}): median Δ {_f(r['estimate'], sign=True)}, "
         f"exact {lvl} CI {_ci(r['lo'], r['hi'])}, margin ±{r['margin']:.3g}; sign-test p {T.pval(r['p_sign'])} "
         f"(mean Δ {_f(r['mean'], sign=True)}; paired t beside it, never deciding: p {T.pval(r['t_p'])}, CI "
-        f"{_ci(r['t_lo'], r['t_hi'])}); margin-sized control "
+        f"{_ci(r['t_lo'], r['t_hi'])}{_rliable(r)}); margin-sized control "
         f"{_check(r['control_detected'], ('detected', 'NOT detected', '–'))}; penalty acts {_check(r['acts'])}."
+    )
+
+
+def _rliable(r: dict) -> str:
+    """rliable's interval estimates beside the exact result (ablations/primary.py beside_rliable), never deciding."""
+    if "p_improve" not in r:
+        return ""
+    better = r["contrast"].replace(" − ", " > ")
+    return (
+        f"; rliable: bootstrap 95% CI of mean Δ {_ci(r['boot_mean_lo'], r['boot_mean_hi'])}, IQM Δ "
+        f"{_f(r['boot_iqm'], sign=True)} {_ci(r['boot_iqm_lo'], r['boot_iqm_hi'])}, P({better}) "
+        f"{_f(r['p_improve'])} {_ci(r['p_improve_lo'], r['p_improve_hi'], sign=False)}"
     )
 
 

@@ -213,6 +213,7 @@ def test_outputs_and_report(tmp_path):
     assert "## Primary comparisons" in report and "## Exploratory families" in report
     assert "Family-wise error of every primary claim of this task ≤ α = 0.05" in report and "α/9 = 0.00556" in report
     assert "Outcomes, in order of precedence" in report  # the precedence is stated in every report
+    assert "; rliable: bootstrap 95% CI of mean Δ" in report and "P(loss_k3 > reward_k3)" in report  # never deciding
     assert "sequential.png" in report
     answer = (tmp_path / "reports/answer.md").read_text()
     assert answer.startswith("#### Task `grammar`: matters") and "| same_beta " in answer

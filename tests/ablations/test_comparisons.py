@@ -105,7 +105,7 @@ def test_a_level_comparison_has_hits_and_a_log_kl_no_kl_contrast():
 
 def test_the_no_kl_trajectory_is_read_at_the_level():
     runs, evals = runs_and_evals()
-    t, meta = table(runs, evals, comparisons(Q, 3)[4], PROTOCOL, "reward_k1", 0.25)  # level 1: no KL gold 0.4
+    t, _ = table(runs, evals, comparisons(Q, 3)[4], PROTOCOL, "reward_k1", 0.25)  # level 1: no KL gold 0.4
     assert t.d.tolist() == pytest.approx([0.2 - 0.4, 0.2 - 0.4])
     assert t.acts.isna().all() and t.hit_other.all()
     t, _ = table(runs, evals, comparisons(Q, 3)[5], PROTOCOL, "reward_k1", 0.25)  # level 2: (1, 0.4) - (3, 1.0)

@@ -20,10 +20,11 @@ from . import synthetic as syn
 PROTO = syn.protocol()
 IN = syn.inputs()
 PLANTED = {a: syn.THEORY[a] for a in ("reward_k1", "loss_k1", "loss_k3")}  # reward_k3: diagnostics off
-SMALL = dict(coefs=(0.03, 0.3), targets=(8.0,))  # exploratory cells besides the design's
-# KL-arm runs per instance: exploratory 4 arms x (2 coefs + 1 target) + 8 design cells
-KL_RUNS = 12 * (4 * 3 + len(syn.DESIGN))
-ROLES = {"fixed": ("coef", "control", "tuned"), "matched": ("target",)}
+# exploratory cells besides the design's, and every design group (loss_k1 is in `checks`)
+SMALL = dict(coefs=(0.03, 0.3), targets=(8.0,), design=syn.DESIGN)
+# KL-arm runs per instance: exploratory 5 arms x (2 coefs + 1 target) + 14 design cells
+KL_RUNS = 12 * (len(syn.ARMS) * 3 + len(syn.DESIGN))
+ROLES = {"fixed": ("act", "control", "tuned"), "matched": ("level1", "level2", "level3")}
 
 
 def _files(root, arm: str, kind: str) -> list:
@@ -67,23 +68,25 @@ def test_table_aggregates_the_planted_rows_per_instance(tmp_path):
             half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
             assert (getattr(r, f"{m}_lo"), getattr(r, f"{m}_hi")) == pytest.approx((v.mean() - half, v.mean() + half))
             assert getattr(r, f"{m}_n") == len(v) == 12
-        # fixed runs per instance: reward_k1 2 + coef + control, loss_k1 2 + coef, loss_k3 2 + coef + tuned
-        per = {"reward_k1": 4, "loss_k1": 3, "loss_k3": 4}[r.arm]
+        # fixed runs per instance: reward_k1 2 + act + control + tuned, loss_k1 2 + act, loss_k3 2 + act + tuned
+        per = {"reward_k1": 5, "loss_k1": 3, "loss_k3": 4}[r.arm]
         want = 12 * per - (r.arm == "loss_k1")
         assert (r.runs, r.rows, r.instances) == (runs, rows, 12) == (want, 2 * want, 12)
         assert r.updates == (0 if r.regime == "on_policy" else syn.DIAG_UPDATES) and r.checkpoints == [20, 40]
     by = t.set_index(["arm", "regime"])
     assert by.loc[("loss_k1", "on_policy"), "scale_hi"] < 0.1 < by.loc[("reward_k1", "on_policy"), "scale_lo"]
     cov = tr.diagnostic_coverage
-    assert (cov["runs_with"], cov["runs_total"]) == (12 * 11 - 1, KL_RUNS)
-    assert cov["cells"] == [("fixed", 0.03), ("fixed", 0.1), ("fixed", 0.3)] and cov["checkpoints"] == [20, 40]
+    assert (cov["runs_with"], cov["runs_total"]) == (12 * 12 - 1, KL_RUNS)
+    control = syn.calibrated()["control_coef"]
+    assert cov["cells"] == [("fixed", control), ("fixed", 0.03), ("fixed", 0.1), ("fixed", 0.3)]
+    assert cov["checkpoints"] == [20, 40]
 
 
 def test_header_only_and_absent_files_are_skipped_and_a_broken_one_is_named(tmp_path):
     exp = syn.write_runs(tmp_path, diagnostics={"loss_k1": syn.THEORY["loss_k1"]}, diag_absent=True, **SMALL)
     runs, _ = load_runs(exp, tmp_path)
     d = load_diagnostics(runs, tmp_path)
-    # instances x (2 fixed + 1 matched + the design's coef cell) x checkpoint x regime
+    # instances x (2 fixed + 1 matched + the design's act cell) x checkpoint x regime
     assert set(d.arm) == {"loss_k1"} and len(d) == 12 * 4 * 2 * 2
     assert list(d.columns[-len(DIAGNOSTIC_COLUMNS) :]) == list(DIAGNOSTIC_COLUMNS)
     header_only = next(r for r in exp if "loss_k1" in r.stage)
@@ -148,8 +151,9 @@ def test_report_stats_and_figure_with_diagnostics(tmp_path):
     assert [x.split("|")[1].strip() for x in lines[1:]] == ["reward_k1", "reward_k1", "loss_k1", "loss_k1",
                                                            "loss_k3", "loss_k3"]  # fmt: skip
     assert "off-policy (7 updates)" in section and "checkpoint iteration(s) 20, 40" in section
-    # per instance: reward_k1 3 + coef + control, loss_k1 3 + coef, loss_k3 3 + coef + tuned + target = 15 of 20
-    assert f"180 of the {KL_RUNS} KL-arm runs" in section and "60 KL-arm run(s) have no diagnostics" in section
+    # per instance: reward_k1 3 + act + control + tuned + 3 levels, loss_k1 3 + act, loss_k3 3 + act + tuned + 3
+    # levels = 21 of 29
+    assert f"252 of the {KL_RUNS} KL-arm runs" in section and "96 KL-arm run(s) have no diagnostics" in section
     assert "Common to every row: algorithm ppo, group 1, target reference." in section
     assert "![Gradient diagnostics](figures/diagnostics.png)" in report
     st = json.loads((tmp_path / "out/stats.json").read_text())["gradient_diagnostics"]
@@ -157,7 +161,7 @@ def test_report_stats_and_figure_with_diagnostics(tmp_path):
     per_instance = (pooled[0][0] * 3 + pooled[1][0]) / 4  # 3 fixed + 1 matched run, 2 checkpoints each
     assert st["rows"]["loss_k1/off_policy"]["cosine"]["mean"] == pytest.approx(per_instance.mean())
     assert st["rows"]["loss_k1/off_policy"]["updates"] == syn.DIAG_UPDATES and len(st["rows"]) == 6
-    assert st["runs_with"] == 180 and st["checkpoints"] == [20, 40]
+    assert st["runs_with"] == 252 and st["checkpoints"] == [20, 40]
 
 
 @pytest.mark.parametrize("absent", [False, True])

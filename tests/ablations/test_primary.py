@@ -94,6 +94,7 @@ def test_large_same_beta_effect_is_a_material_difference_at_the_first_reachable_
     assert all(look["verdict"] == T.INCONCLUSIVE and look["lo"] == -np.inf for look in early)
     assert [look["n"] for look in r["path"]] == [4, 8, 12, 16, 20, 24]
     assert r["p_sign"] == pytest.approx(2 / 2**12) and r["t_p"] < 1e-6  # the t-test is shown beside it
+    assert r["boot_mean"] == pytest.approx(r["mean"]) and r["boot_mean_lo"] > 0.1 and r["p_improve"] > 0.9  # rliable
     assert out["headline"] == P.MATTERS and out["carried_by"] == ["same_beta"]
 
 

@@ -51,10 +51,10 @@ def test_beside_rliable_gives_each_statistic_with_a_ci_around_it():
 def test_the_reports_rliable_clause_signs_differences_but_not_probabilities():
     from ablations.report import _rliable
 
-    r = {"comparison": "loss_k3 − reward_k3", "boot_mean_lo": -0.5, "boot_mean_hi": -0.25, "boot_iqm": -0.4}
+    r = {"contrast": "loss_k3 − reward_k3", "boot_mean_lo": -0.5, "boot_mean_hi": -0.25, "boot_iqm": -0.4}
     r |= {"boot_iqm_lo": -0.5, "boot_iqm_hi": -0.3, "p_improve": 0.117, "p_improve_lo": 0.025, "p_improve_hi": 0.237}
     assert _rliable(r) == (
         "; rliable: bootstrap 95% CI of mean Δ [-0.500, -0.250], IQM Δ -0.400 [-0.500, -0.300], "
         "P(loss_k3 > reward_k3) 0.117 [0.025, 0.237]"
     )
-    assert _rliable({"comparison": "a − b"}) == ""  # reports computed before the rliable columns
+    assert _rliable({"contrast": "a − b"}) == ""  # reports computed before the rliable columns

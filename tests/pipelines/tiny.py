@@ -46,7 +46,11 @@ TINY = {
             "reward_k3": {"target": "reference", "placement": "reward", "estimator": "k3"},
             "loss_k3": {"target": "reference", "placement": "loss", "estimator": "k3"},
             "loss_k3_isrtg": {
-                "target": "reference", "placement": "loss", "estimator": "k3", "is_weight": True, "return_to_go": True
+                "target": "reference",
+                "placement": "loss",
+                "estimator": "k3",
+                "is_weight": True,
+                "return_to_go": True,
             },
         },
         "seeds": [0],
@@ -58,7 +62,10 @@ TINY = {
     # test_hf_pipeline runs its stages).
     **{
         t: {
-            "instances": [], "allocation": dict.fromkeys(GROUPS, []) | {"checks": []}, "calibration": {"instances": [], "plan_instances": []}, "coefs": [],
+            "instances": [],
+            "allocation": {g: [] for g in (*GROUPS, "checks")},
+            "calibration": {"instances": [], "plan_instances": []},
+            "coefs": [],
             "kl_targets": [],
         }
         for t in TASKS
