@@ -84,7 +84,7 @@ BAD = [
     ("kl in ppo", lambda p: p["grammar"]["ppo"].update(kl={}), "belong in 'grid'"),
     ("minibatch does not divide", lambda p: p["grammar"]["ppo"].update(minibatch_size=7), "multiple of minibatch_size"),
     ("reference arm not an arm", lambda p: p["analysis"].update(reference_arm="nope"), "allowed: reward_k1"),
-    # protocol v3: calibration instances, calibration rules, the design
+    # protocol v4: calibration and planning instances, calibration rules, the design groups and their allocation
     ("calibration coefs too few", lambda p: p["grammar"]["calibration"].update(coefs=[0.1, 0.3]), "at least 3"),
     (
         "calibration coef written twice, as an int and a float",  # one value, two DVC stage names
@@ -100,51 +100,132 @@ BAD = [
     (
         "duplicate calibration instance",
         lambda p: p["grammar"]["calibration"].update(instances=[0, 0]),
-        "duplicate calibration instance 0",
+        "grammar.calibration.instances: duplicate instance 0",
+    ),
+    (
+        "duplicate planning instance",
+        lambda p: p["grammar"]["calibration"].update(plan_instances=[3, 3]),
+        "grammar.calibration.plan_instances: duplicate plan instance 3",
+    ),
+    (
+        "a planning instance that is a calibration instance",
+        lambda p: p["grammar"]["calibration"].update(plan_instances=[2, 3]),
+        "instances and plan_instances must be disjoint (both have [2])",
+    ),
+    (
+        "a planning instance that is an evaluation instance",
+        lambda p: p["grammar"]["calibration"].update(plan_instances=[3, 124]),
+        "nothing is judged on an instance it was tuned or planned on (both have [124])",
     ),
     ("no margin", lambda p: p["grammar"]["calibration"].update(margin_fraction=0.0), "calibration.margin_fraction"),
     ("unknown gain", lambda p: p["grammar"]["calibration"].update(gain="mean"), "grammar.calibration.gain"),
-    ("unknown target", lambda p: p["grammar"]["calibration"]["target"].update(at="middle"), "calibration.target.at"),
+    ("acts below one margin", lambda p: p["grammar"]["calibration"].update(acts=0.5), "grammar.calibration.acts"),
+    ("no log-KL margin", lambda p: p["grammar"]["calibration"].update(log_kl_fraction=0.0), "log_kl_fraction"),
+    (
+        "levels not increasing",
+        lambda p: p["grammar"]["calibration"].update(levels=[0.5, 0.25, 0.125]),
+        "grammar.calibration.levels: must list at least 3 increasing fractions in (0, 1)",
+    ),
+    (
+        "a level at the no-KL runs' own KL",
+        lambda p: p["grammar"]["calibration"].update(levels=[0.25, 0.5, 1.0]),
+        "increasing fractions in (0, 1)",
+    ),
+    (
+        "tasks with different numbers of levels",
+        lambda p: p["arithmetic"]["calibration"].update(levels=[0.1, 0.2, 0.3, 0.4]),
+        "every task's calibration.levels must have the same length (got [3, 4])",
+    ),
     ("missing calibration", lambda p: p["arithmetic"].pop("calibration"), "missing key 'arithmetic.calibration'"),
     (
         "calibration instances without evaluation instances",
         lambda p: p["grammar"].update(instances=[]),
-        "both be empty (the task does not run) or both non-empty (got 0 and 3)",
+        "must all be empty (the task does not run) or all non-empty (got 0, 3 and 8)",
     ),
     (
         "evaluation instances without calibration instances",
         lambda p: p["arithmetic"]["calibration"].update(instances=[]),
-        "both be empty",
+        "must all be empty",
+    ),
+    (
+        "evaluation instances without planning instances",
+        lambda p: p["arithmetic"]["calibration"].update(plan_instances=[]),
+        "(got 4, 3 and 0)",
     ),
     ("calibration arm not an arm", lambda p: p["grid"].update(calibration_arms=["reward_k1", "nope"]), "'nope'"),
     ("duplicate calibration arm", lambda p: p["grid"].update(calibration_arms=["reward_k1"] * 2), "duplicate"),
     (
         "reference arm not calibrated",
-        lambda p: p["grid"].update(calibration_arms=["loss_k3"], design=["loss_k3-coef"]),
+        lambda p: (
+            p["grid"].update(calibration_arms=["loss_k3"]),
+            p["grid"]["design"]["camps"].remove("reward_k1-tuned"),
+        ),
         "grid.calibration_arms must include the reference arm 'reward_k1'",
     ),
-    ("unknown role", lambda p: p["grid"]["design"].append("loss_k1-best"), "must be '<arm>-<role>'"),
-    ("unknown design arm", lambda p: p["grid"]["design"].append("nope-coef"), "must be '<arm>-<role>'"),
-    ("duplicate design cell", lambda p: p["grid"]["design"].append("loss_k1-coef"), "duplicate design cell"),
+    ("unknown role", lambda p: p["grid"]["design"]["checks"].append("loss_k1-best"), "must be '<arm>-<role>'"),
+    ("unknown design arm", lambda p: p["grid"]["design"]["checks"].append("nope-act"), "must be '<arm>-<role>'"),
     (
-        "tuned arm not calibrated",
-        lambda p: p["grid"]["design"].append("reward_k3-tuned"),
-        "'reward_k3-tuned' is tuned on calibration, so reward_k3 must be a calibration arm",
+        "duplicate design cell, in two groups",
+        lambda p: p["grid"]["design"]["camps"].append("loss_k1-act"),
+        "grid: duplicate design cell loss_k1-act",
     ),
     (
-        "no positive control in the design",
-        lambda p: p["grid"]["design"].remove("reward_k1-control"),
-        "grid.design must include 'reward_k1-control'",
+        "tuned arm not calibrated",
+        lambda p: p["grid"]["design"]["camps"].append("reward_k3-tuned"),
+        "grid.design.camps: 'reward_k3-tuned' is tuned on calibration, so reward_k3 must be a calibration arm",
+    ),
+    (
+        "a level the calibration does not fix",
+        lambda p: p["grid"]["design"]["frontier"].append("loss_k3-level4"),
+        "grid.design: loss_k3-level4: grammar has 3 calibration.levels (level1..3)",
+    ),
+    (
+        "no shared group",
+        lambda p: p["grid"]["design"].update(everywhere=p["grid"]["design"].pop("shared")),
+        "grid.design must have a 'shared' group",
+    ),
+    (
+        "a design group's name that is no identifier",
+        lambda p: p["grid"]["design"].update({"Same-Beta": ["reward_k3-tuned"]}),
+        "group name 'Same-Beta' must match",
+    ),
+    (
+        "no positive control in the shared group",
+        lambda p: p["grid"]["design"]["shared"].remove("reward_k1-control"),
+        "grid.design.shared must include 'reward_k1-control'",
+    ),
+    (
+        "the control in another group than the shared one",
+        lambda p: (
+            p["grid"]["design"]["shared"].remove("reward_k1-act"),
+            p["grid"]["design"]["same_beta"].append("reward_k1-act"),
+        ),
+        "grid.design.shared must include 'reward_k1-act' (the controls of every question)",
     ),
     (
         "primary cell not in the design",
-        lambda p: p["grid"]["design"].remove("loss_k3-target"),
-        "analysis.primary.Q3: needs the design cell 'loss_k3-target'",
+        lambda p: p["grid"]["design"]["frontier"].remove("loss_k3-level2"),
+        "analysis.primary.frontier: needs the design cell 'loss_k3-level2'",
+    ),
+    (
+        "check cell not in the design",
+        lambda p: p["grid"]["design"]["checks"].remove("loss_k1-act"),
+        "analysis.checks.k1_in_loss: needs the design cell 'loss_k1-act'",
+    ),
+    (
+        "a design group without its allocation",
+        lambda p: p["grammar"]["allocation"].pop("camps"),
+        "grammar.allocation must give every design group but 'shared' its instances",
+    ),
+    (
+        "an allocation that is not the first instances",
+        lambda p: p["grammar"]["allocation"].update(camps=[125, 126]),
+        "allocation.camps must be the first instances of 'instances', in order (got [125, 126]",
     ),
     (
         "instances not whole batches",
-        lambda p: p["grammar"].update(instances=[100, 101, 102]),
-        "grammar.instances: 3 instances must be whole batches",
+        lambda p: p["grammar"].update(instances=[124, 125, 126, 127, 128]),
+        "grammar.instances: 5 instances must be whole batches",
     ),
     (
         "exploratory KL target written twice, as an int and a float",
@@ -244,6 +325,8 @@ def test_an_evaluation_instance_can_never_be_a_calibration_instance(tmp_path, ta
 def test_a_task_with_no_instances_does_not_run_and_needs_no_protocol(tmp_path):
     p = repo_params()
     p["arithmetic"]["instances"], p["arithmetic"]["calibration"]["instances"] = [], []
+    p["arithmetic"]["calibration"]["plan_instances"] = []
+    p["arithmetic"]["allocation"] = {g: [] for g in p["arithmetic"]["allocation"]}
     del p["analysis"]["tasks"]["arithmetic"]
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(p, sort_keys=False))
@@ -253,7 +336,7 @@ def test_a_task_with_no_instances_does_not_run_and_needs_no_protocol(tmp_path):
 def test_exploratory_cells_may_be_empty():
     params = load_params(REPO / "params.yaml")
     assert params.grammar.coefs == [] and params.grammar.kl_targets == []  # the design alone runs by default
-    assert params.grid.design_cells()[0] == ("reward_k1", "coef")
+    assert params.grid.design_cells()[0] == ("shared", "reward_k1", "act")
 
 
 @pytest.mark.parametrize(
