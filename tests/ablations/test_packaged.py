@@ -22,7 +22,8 @@ def arithmetic_on(hf: dict, listed: list[str]):
 
     def change(p):
         p["pretrained"] = listed
-        p["arithmetic"].update(instances=[10, 11], calibration={**p["arithmetic"]["calibration"], "instances": [0]})
+        cal = {**p["arithmetic"]["calibration"], "instances": [0], "plan_instances": [1, 2]}
+        p["arithmetic"].update(instances=[10, 11], calibration=cal, allocation=p["grammar"]["allocation"])
         p["arithmetic"]["model"] = {"backend": "hf", "d_model": 576, "n_layers": 30, "n_heads": 9, "hf": hf}
 
     return change

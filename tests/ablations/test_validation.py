@@ -47,15 +47,22 @@ CASES = [
     ("missing_eos_score -1e308", ppo(missing_eos_score=-1e308), "grammar.ppo.missing_eos_score: must be in"),
     ("temperature 1e-300", ppo(temperature=1e-300), "grammar.ppo.temperature: must be in [0.01, 100]"),
     ("vf_coef 1e308", ppo(vf_coef=1e308), "grammar.ppo.vf_coef: must be in [0, 100]"),
-    (  # a task runs with both instance lists or neither (then make repro skips it)
-        "evaluation instances but no calibration instances",
+    (  # a task runs with all three instance lists or none (then make repro skips it)
+        "calibration and planning instances but no evaluation instances",
         lambda p: p["grammar"].update(instances=[]),
-        "grammar: instances and calibration.instances must both be empty (the task does not run) or both non-empty",
+        "grammar: instances, calibration.instances and calibration.plan_instances must all be empty (the task does "
+        "not run) or all non-empty",
     ),
     (
         "no instances at all",
         lambda p: [
-            p[t].update(instances=[], calibration={**p[t]["calibration"], "instances": []}) for t in p if t in TASKS
+            p[t].update(
+                instances=[],
+                calibration={**p[t]["calibration"], "instances": [], "plan_instances": []},
+                allocation={g: [] for g in p[t]["allocation"]},
+            )
+            for t in p
+            if t in TASKS
         ],
         f"no task runs: give at least one of {', '.join(TASKS)} instances",
     ),
