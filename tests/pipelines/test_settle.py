@@ -1,5 +1,6 @@
 """`make settle` (pipelines/settle.py): the next batch of evaluation instances, appended to params.yaml while a
-primary question is open. Fast: the pipeline runner is a stand-in that writes each task's stats.json."""
+primary comparison is open, to the instances and to the design groups an open comparison reads (per-question
+allocation). Fast: the pipeline runner is a stand-in that writes each task's stats.json."""
 
 from __future__ import annotations
 
@@ -16,12 +17,21 @@ from pipelines import settle
 ROOT = Path(__file__).resolve().parents[2]
 
 
+FIRST = [124, 125, 126, 127]  # the first batch of evaluation instances (batches of 4)
+
+
 @pytest.fixture
 def repo(params_copy) -> Path:
-    """A directory with the repository's params.yaml, its evaluation instances reset to the first batch (grammar and
-    arithmetic: 100-103, batches of 4; the repository's own may have more after `make settle`), as cwd."""
-    text = re.sub(r"(?m)^(  instances: )\[[0-9, ]+\]", r"\1[100, 101, 102, 103]", (ROOT / "params.yaml").read_text())
+    """A directory with the repository's params.yaml, its evaluation instances and every non-empty design-group
+    allocation reset to the first batch (grammar and arithmetic: 124-127; the repository's own may have more after
+    `make settle`), as cwd."""
+    first = "[" + ", ".join(map(str, FIRST)) + "]"
+    groups = "|".join(load_params(ROOT / "params.yaml").grammar.allocation)
+    line = rf"(?m)^(  instances: |    (?:{groups}): )\[[0-9][0-9, ]*\]"
+    text = re.sub(line, rf"\g<1>{first}", (ROOT / "params.yaml").read_text())
     (params_copy / "params.yaml").write_text(text)
+    p = load_params(params_copy / "params.yaml")
+    assert p.grammar.instances == p.arithmetic.instances == FIRST and p.grammar.allocation["same_beta"] == FIRST
     return params_copy
 
 
@@ -39,84 +49,121 @@ def test_next_batch_continues_the_sequence_after_the_last_instance():
     assert settle.next_batch([7], 1) == [8]
 
 
-def test_extend_appends_the_next_batch_and_keeps_comments(repo):
+def test_extend_appends_the_next_batch_to_the_instances_and_the_open_groups_and_keeps_comments(repo):
     before = (repo / "params.yaml").read_text()
-    assert settle.extend("grammar", repo / "params.yaml") == [104, 105, 106, 107]
+    assert settle.extend("grammar", ["frontier", "camps"], repo / "params.yaml") == [128, 129, 130, 131]
     after = (repo / "params.yaml").read_text()
     p = load_params(repo / "params.yaml")
-    assert p.grammar.instances == [100, 101, 102, 103, 104, 105, 106, 107]
-    assert p.arithmetic.instances == [100, 101, 102, 103]  # the other task is untouched
+    assert p.grammar.instances == [*FIRST, 128, 129, 130, 131]
+    assert p.grammar.allocation["frontier"] == p.grammar.allocation["camps"] == [*FIRST, 128, 129, 130, 131]
+    assert p.grammar.allocation["same_beta"] == FIRST and p.grammar.allocation["checks"] == []  # closed groups stop
+    assert p.arithmetic.instances == FIRST and p.arithmetic.allocation["frontier"] == FIRST  # the other task
     assert "# EVALUATION task seeds" in after and "# params.yaml: the one file to edit" in after
-    # nothing but the instances changed: every other line is the same
-    assert [line for line in after.splitlines() if "instances" not in line] == [
-        line for line in before.splitlines() if "instances" not in line
-    ]
-    assert settle.extend("grammar", repo / "params.yaml") == [108, 109, 110, 111]
+    # nothing but grammar's instances and those two groups' allocations changed: every other line is the same
+    changed = [a for a, b in zip(after.splitlines(), before.splitlines()) if a != b]
+    assert len(after.splitlines()) == len(before.splitlines()) and len(changed) == 3
+    assert changed[0].startswith("  instances: [124") and changed[1].startswith("    frontier: [124")
+    assert settle.extend("grammar", [], repo / "params.yaml") == [132, 133, 134, 135]  # the shared cells alone
+    assert load_params(repo / "params.yaml").grammar.allocation["frontier"][-1] == 131
     assert sorted(p.name for p in repo.iterdir()) == ["params.yaml"]  # no temporary file left
 
 
-def test_extend_refuses_a_calibration_seed_and_writes_nothing(repo):
+@pytest.mark.parametrize("which", ["calibration", "planning"])
+def test_extend_refuses_a_calibration_or_planning_seed_and_writes_nothing(repo, which):
     text = (repo / "params.yaml").read_text()
-    (repo / "params.yaml").write_text(
-        text.replace("instances: [0, 1, 2]  # calibration task seeds (every", "instances: [0, 1, 106]  # (every", 1)
-    )
+    key = "    instances: [0, 1, 2]  #" if which == "calibration" else "    plan_instances: [3, 4, 5,"
+    new = "    instances: [0, 1, 130]  #" if which == "calibration" else "    plan_instances: [130, 4, 5,"
+    assert key in text
+    (repo / "params.yaml").write_text(text.replace(key, new, 1))
     text = (repo / "params.yaml").read_text()
-    assert load_params(repo / "params.yaml").grammar.calibration.instances == [0, 1, 106]
-    with pytest.raises(ParamsError, match=r"^grammar: the next evaluation seeds \[106\] are calibration instances$"):
-        settle.extend("grammar", repo / "params.yaml")
+    with pytest.raises(ParamsError, match=r"^grammar: the next evaluation seeds \[130\] are calibration or planning"):
+        settle.extend("grammar", ["same_beta"], repo / "params.yaml")
     assert (repo / "params.yaml").read_text() == text
 
 
-def test_extend_past_the_cap_is_refused_by_validation_and_writes_nothing(repo):
+def test_extend_past_the_max_cap_is_refused_by_validation_and_writes_nothing(repo):
     text = (repo / "params.yaml").read_text()
-    (repo / "params.yaml").write_text(text.replace("cap: 24 ", "cap: 4 ", 1))
+    assert "max_cap: 64 " in text
+    (repo / "params.yaml").write_text(text.replace("max_cap: 64 ", "max_cap: 4 ", 1))
     text = (repo / "params.yaml").read_text()
-    with pytest.raises(ParamsError, match=r"with grammar batch \[104, 105, 106, 107\].*at most the cap \(4\)"):
-        settle.extend("grammar", repo / "params.yaml")
+    with pytest.raises(ParamsError, match=r"with grammar batch \[128, 129, 130, 131\].*at most the max cap \(4\)"):
+        settle.extend("grammar", ["same_beta"], repo / "params.yaml")
     assert (repo / "params.yaml").read_text() == text
 
 
-def test_open_questions_reads_the_status_of_each_primary_question(tmp_path):
+def test_open_comparisons_reads_the_status_of_each_primary_comparison(tmp_path):
     reports = tmp_path / "reports"
-    assert settle.open_questions("grammar", reports) == []  # no report yet
-    write_stats(tmp_path, "grammar", {"Q1": "settled", "Q2": "open", "Q3": "unsettled at cap", "Q4": "open"})
-    assert settle.open_questions("grammar", reports) == ["Q2", "Q4"]
-    assert settle.open_questions("arithmetic", reports) == []
-    write_stats(tmp_path, "grammar", {"Q1": "settled"})
-    assert settle.open_questions("grammar", reports) == []
+    assert settle.open_comparisons("grammar", reports) == []  # no report yet
+    write_stats(tmp_path, "grammar", {"same_beta": "settled", "frontier_level1": "open",
+                                      "frontier_level2": "unsettled at cap", "camps": "open"})  # fmt: skip
+    assert settle.open_comparisons("grammar", reports) == ["frontier_level1", "camps"]
+    assert settle.open_comparisons("arithmetic", reports) == []
+    write_stats(tmp_path, "grammar", {"same_beta": "settled"})
+    assert settle.open_comparisons("grammar", reports) == []
+
+
+@pytest.mark.parametrize(
+    "open_, groups",
+    [
+        (["same_beta"], ["same_beta"]),
+        (["same_gradient"], ["same_gradient"]),  # its other side, reward_k1-act, is shared: on every instance
+        (["frontier_level2"], ["frontier", "frontier_reward"]),
+        (["kl_vs_none_level1", "kl_vs_none_level3"], ["frontier_reward"]),  # the no-KL trajectory is the baseline
+        (["camps", "same_beta"], ["same_beta", "camps"]),  # in grid.design's order
+        ([], []),
+    ],
+)
+def test_open_groups_are_the_design_groups_an_open_comparison_reads(open_, groups):
+    """Per-question allocation: the next batch goes to the groups whose cells an open comparison reads, never to a
+    settled comparison's own cells (shared cells run on every instance anyway)."""
+    assert settle.open_groups(load_params(ROOT / "params.yaml"), "grammar", open_) == groups
 
 
 class FakeRunner:
-    """Stands in for `python -m pipelines.run`: records its arguments and the instances of each task, and writes
-    each task's stats.json, with every primary question open until the task has ``settled_at`` instances (a task
-    it does not name: settled at its first batch)."""
+    """Stands in for `python -m pipelines.run`: records its arguments, each task's instances and allocation, and
+    writes each task's stats.json, with every primary comparison open until its groups have ``settled_at[task]``
+    instances (a task it does not name: settled at its first batch), ``same_beta`` settled at the first batch."""
 
     def __init__(self, settled_at: dict[str, int], rc: int = 0):
         self.settled_at, self.rc, self.calls = settled_at, rc, []
 
     def __call__(self, cmd: list[str], **popen) -> int:
+        from ablations.comparisons import primary_comparisons
+
         assert cmd[:3] == [sys.executable, "-m", "pipelines.run"]
         p = load_params()
-        self.calls.append((cmd[3:], {t: list(s.instances) for t, s in p.tasks().items()}))
+        self.calls.append((cmd[3:], {t: (list(s.instances), dict(s.allocation)) for t, s in p.tasks().items()}))
+        group_of = {(arm, role): g for g, arm, role in p.grid.design_cells()}
         for task, section in p.tasks().items():
-            done = len(section.instances) >= self.settled_at.get(task, 4)
-            write_stats(Path("."), task, {q: "settled" if done else "open" for q in ("Q1", "Q2")})
+            statuses = {}
+            for c in primary_comparisons(p.analysis, len(section.calibration.levels)):
+                n = min(len(section.allocation.get(group_of[cell], section.instances)) for cell in c.cells())
+                need = 4 if c.name == "same_beta" else self.settled_at.get(task, 4)
+                statuses[c.name] = "settled" if n >= need else "open"
+            write_stats(Path("."), task, statuses)
         return self.rc
 
 
-def test_settle_adds_batches_to_the_open_task_until_settled(repo, monkeypatch, capsys):
+def test_settle_adds_batches_to_the_open_groups_until_settled(repo, monkeypatch, capsys):
     fake = FakeRunner({"grammar": 12, "arithmetic": 4})
     monkeypatch.setattr(settle.subprocess, "call", fake)
     assert settle.main(["--", "--workers", "2"]) == 0
     assert [args for args, _ in fake.calls] == [["--workers", "2"]] * 3  # the runner's arguments passed on
-    assert [seen["grammar"][-1] for _, seen in fake.calls] == [103, 107, 111]  # a batch of 4 before each rerun
-    assert all(seen["arithmetic"] == [100, 101, 102, 103] for _, seen in fake.calls)  # settled: never extended
-    assert load_params().grammar.instances == list(range(100, 112))
+    assert [seen["grammar"][0][-1] for _, seen in fake.calls] == [127, 131, 135]  # a batch of 4 before each rerun
+    assert all(seen["arithmetic"][0] == FIRST for _, seen in fake.calls)  # settled: never extended
+    p = load_params()
+    assert p.grammar.instances == list(range(124, 136))
+    assert p.grammar.allocation["same_beta"] == FIRST  # settled at the first look: its cells stopped there
+    for g in ("same_gradient", "frontier", "frontier_reward", "camps"):
+        assert p.grammar.allocation[g] == list(range(124, 136)), g
+    assert p.grammar.allocation["checks"] == []
     out = capsys.readouterr().out
-    assert "settle: grammar has open questions Q1, Q2: adding instances [104, 105, 106, 107]" in out
-    assert "settle: grammar has open questions Q1, Q2: adding instances [108, 109, 110, 111]" in out
-    assert "settle: grammar: Q1 material difference (settled, n = 4); Q2 material difference" in out
-    assert "arithmetic has open questions" not in out
+    groups = "same_gradient, frontier, frontier_reward, camps"
+    assert "settle: grammar: open same_gradient, frontier_level1, " in out
+    assert f": instances [128, 129, 130, 131] for groups {groups}" in out
+    assert f": instances [132, 133, 134, 135] for groups {groups}" in out
+    assert "settle: grammar: same_beta material difference (settled, n = 4); same_gradient material" in out
+    assert "settle: arithmetic: open" not in out
 
 
 def test_settle_stops_after_the_given_number_of_batches(repo, monkeypatch, capsys):
@@ -124,8 +171,10 @@ def test_settle_stops_after_the_given_number_of_batches(repo, monkeypatch, capsy
     monkeypatch.setattr(settle.subprocess, "call", fake)
     assert settle.main(["--batches", "1"]) == 0
     assert len(fake.calls) == 2  # run, one batch per task, run (its results read), stop
-    assert load_params().grammar.instances == load_params().arithmetic.instances == list(range(100, 108))
-    assert "settle: arithmetic: Q1 inconclusive (open, n = 4)" in capsys.readouterr().out
+    assert load_params().grammar.instances == load_params().arithmetic.instances == list(range(124, 132))
+    assert "settle: arithmetic: same_beta material difference (settled, n = 4); same_gradient inconclusive (open" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_failing_run_stops_settle_with_its_exit_status_and_adds_nothing(repo, monkeypatch):
@@ -140,14 +189,14 @@ def test_settle_stops_in_one_line_when_the_next_batch_is_refused(repo, monkeypat
     text = (
         (repo / "params.yaml")
         .read_text()
-        .replace("instances: [0, 1, 2]  # calibration task seeds (every", "instances: [0, 1, 105]  # (every", 1)
+        .replace("instances: [0, 1, 2]  # calibration task seeds (every", "instances: [0, 1, 129]  # (every", 1)
     )
     (repo / "params.yaml").write_text(text)
     fake = FakeRunner({"grammar": 100, "arithmetic": 4})
     monkeypatch.setattr(settle.subprocess, "call", fake)
     assert settle.main([]) == 2
     err = capsys.readouterr().err
-    assert err == "error: grammar: the next evaluation seeds [105] are calibration instances\n", err
+    assert err == "error: grammar: the next evaluation seeds [129] are calibration or planning instances\n", err
     assert (repo / "params.yaml").read_text() == text and len(fake.calls) == 1
 
 
