@@ -78,6 +78,10 @@ def test_shipped_profiles_apply_to_the_default_params(repo, profile):
             apply(profile, repo / "params.yaml", repo / "profiles")
         assert (repo / "params.yaml").read_text() == text
         return
+    if profile == "first-look":  # params.yaml is the first look until `make settle` appends a batch
+        from pipelines.settle import extend
+
+        extend("grammar", ["same_beta"], repo / "params.yaml")
     assert apply(profile, repo / "params.yaml", repo / "profiles")  # changes something, validates
 
 
