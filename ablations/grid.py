@@ -138,8 +138,9 @@ class ProtocolFileError(ValueError):
 
 
 def read_protocol(path: Path) -> dict:
-    """What the calibration fixed, from ``path`` (a protocol/<task>.json); ProtocolFileError naming the file when it
-    is cut or not a JSON object, FileNotFoundError when it is missing."""
+    """What the calibration (or the plan) fixed, from ``path`` (a protocol/<task>.json or protocol/<task>.plan.json);
+    ProtocolFileError naming the file and the stage that writes it when it is cut or not a JSON object,
+    FileNotFoundError when it is missing."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -150,9 +151,9 @@ def read_protocol(path: Path) -> dict:
         if isinstance(doc, dict):
             return doc
         why = f"a JSON {type(doc).__name__}, not the calibration's object"
-    raise ProtocolFileError(
-        f"{path}: {why}; restore it (`git checkout {path}`) or re-create it (`dvc repro {path.stem}_calibrate`)"
-    )
+    task, _, plan = path.name.removesuffix(".json").partition(".")  # <task>.json or <task>.plan.json
+    stage = f"{task}_planning" if plan else f"{task}_calibrate"
+    raise ProtocolFileError(f"{path}: {why}; restore it (`git checkout {path}`) or re-create it (`dvc repro {stage}`)")
 
 
 def plan_path(task: str) -> Path:

@@ -84,6 +84,23 @@ def test_a_cut_protocol_file_fails_in_one_line_naming_it(params_copy, monkeypatc
     message = str(e.value.code)
     assert message.startswith("error: protocol/grammar.json: ") and "\n" not in message, message
     assert "git checkout protocol/grammar.json" in message and "dvc repro grammar_calibrate" in message
+    (params_copy / "protocol/grammar.plan.json").write_text("{}")  # the analysis reads the plan too
     with pytest.raises(ValueError, match=r"^protocol/grammar\.json: ") as err:
         analysis.main("grammar")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ['{"comparisons": {"same_beta"', "", "[1, 2]"])
+def test_a_cut_plan_file_fails_in_one_line_naming_it_and_its_stage(params_copy, text):
+    """The analysis reads protocol/<task>.plan.json (each comparison's cap) beside the protocol: cut, it fails in one
+    line naming the file and the planning stage that writes it."""
+    from pipelines import analysis
+
+    (params_copy / "protocol").mkdir()
+    (params_copy / "protocol/grammar.json").write_text("{}")
+    (params_copy / "protocol/grammar.plan.json").write_text(text)
+    with pytest.raises(ValueError, match=r"^protocol/grammar\.plan\.json: ") as err:
+        analysis.main("grammar")
+    message = str(err.value)
+    assert "\n" not in message and "git checkout protocol/grammar.plan.json" in message, message
+    assert "dvc repro grammar_planning" in message
