@@ -21,7 +21,7 @@ from rlhf.ppo import train_ppo
 from tests.conftest import repo_params
 from tests.pipelines.tiny import TINY
 
-CELL = "grammar_design@10-reward_k1-coef-0"  # the params' reward_k1 at the calibrated coefficient
+CELL = "grammar_design@10-reward_k1-act-0"  # the params' reward_k1 where the penalty acts (calibrated)
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def instance(tmp_path_factory):
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
         (root / "params.yaml").write_text(yaml.safe_dump(repo_params(TINY), sort_keys=False))
         (root / "protocol").mkdir()
-        protocol = {"coef": 0.1, "control_coef": 0.03, "tuned": {"reward_k1": 0.1, "loss_k3": 0.3}, "kl_target": 2.0}
+        protocol = {"coef": 0.1, "control_coef": 0.03, "tuned": {"reward_k1": 0.1, "loss_k3": 0.3}, "levels": [1, 2, 4]}
         (root / "protocol/grammar.json").write_text(json.dumps(protocol))
         for stage in (data, sft, rm, eval0):
             stage.main(["grammar", "10"])
