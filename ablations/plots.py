@@ -325,19 +325,22 @@ def frontier(tr: TaskResults) -> pd.DataFrame:
 
 
 def differences(tr: TaskResults) -> pd.DataFrame:
-    """Each primary question's paired difference d_i per instance (ablations/primary.py ``differences``, in the
-    pre-registered order), ``decided`` for the instances of the look that decided it, with its estimate, CI and
-    margin. Generic over the questions: whatever analyse() returned."""
+    """Each primary comparison's paired difference d_i per instance (ablations/primary.py ``differences``, in the
+    pre-registered order), ``decided`` for the instances of the look that decided it, with its estimate (the median),
+    CI and margin. Generic over the comparisons: whatever analyse() returned (a frontier question is one comparison
+    per KL level)."""
     rows = []
     for r in tr.primary:
         for k, (instance, d) in enumerate((r.get("differences") or {}).items()):
             rows.append(
-                {"question": r["question"], "comparison": r["comparison"], "metric": r["metric"],
+                {"question": r["question"], "comparison": r["comparison"], "contrast": r.get("contrast"),
+                 "metric": r["metric"],
                  "instance": int(instance), "difference": d, "decided": k < (r.get("n") or 0),
                  "estimate": r.get("estimate"), "lo": r.get("lo"), "hi": r.get("hi"), "margin": r.get("margin"),
                  "verdict": r.get("verdict")}
             )  # fmt: skip
-    cols = ["question", "comparison", "metric", "instance", "difference", "decided", "estimate", "lo", "hi", "margin"]
+    cols = ["question", "comparison", "contrast", "metric", "instance", "difference", "decided", "estimate", "lo", "hi",
+            "margin"]  # fmt: skip
     return pd.DataFrame(rows, columns=[*cols, "verdict"])
 
 
@@ -400,16 +403,16 @@ def frontier_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
 
 
 def differences_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
-    """Per primary question, each instance's paired difference (filled: the instances of the deciding look), the
-    estimate with its CI (bar), zero and the ±margin band."""
-    questions = list(dict.fromkeys(df.question)) or ["no primary question"]
-    sizes = [max(int((df.question == q).sum()), 4) + 3 for q in questions]
-    fig, axs = plt.subplots(len(questions), 1, figsize=(8, 0.9 + 0.16 * sum(sizes)), squeeze=False,
+    """Per primary comparison (a panel each), each instance's paired difference (filled: the instances of the
+    deciding look), the estimate with its CI (bar), zero and the ±margin band."""
+    comparisons = list(dict.fromkeys(df.comparison)) or ["no primary comparison"]
+    sizes = [max(int((df.comparison == q).sum()), 4) + 3 for q in comparisons]
+    fig, axs = plt.subplots(len(comparisons), 1, figsize=(8, 0.9 + 0.16 * sum(sizes)), squeeze=False,
                             gridspec_kw={"height_ratios": sizes})  # fmt: skip
-    fig.suptitle(f"{task}: primary questions, paired differences by instance")
-    axes = dict(zip(questions, axs[:, 0]))
+    fig.suptitle(f"{task}: primary comparisons, paired differences by instance")
+    axes = dict(zip(comparisons, axs[:, 0]))
     for q, ax in axes.items():
-        d = df[df.question == q].reset_index(drop=True)
+        d = df[df.comparison == q].reset_index(drop=True)
         if d.empty:
             continue
         m = float(d.margin.iloc[0])
@@ -424,7 +427,7 @@ def differences_figure(df: pd.DataFrame, task: str, path: Path) -> Path:
             err = [[est - lo], [hi - est]]
             ax.errorbar([est], [-1.5], xerr=err, fmt="D", color="tab:red", capsize=3, label="estimate, CI")
         ax.set_yticks(y, [str(i) for i in d.instance], fontsize=5)
-        ax.set_title(f"{q}: {d.comparison.iloc[0]} ({d.metric.iloc[0]})\n{d.verdict.iloc[0]}", fontsize=8)
+        ax.set_title(f"{q}: {d.contrast.iloc[0]} ({d.metric.iloc[0]})\n{d.verdict.iloc[0]}", fontsize=8)
         ax.set_xlabel(f"difference in {d.metric.iloc[0]} (shaded ±{m:.3g})")
         ax.legend(fontsize=6, loc="lower right")
     fig.tight_layout()

@@ -170,7 +170,7 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         "hit_rate_arm": float(t.hit_arm.iloc[:m].mean()) if m and "hit_arm" in t else None,
         "hit_rate_other": float(t.hit_other.iloc[:m].mean()) if m and "hit_other" in t else None,
         "steerable": at.get("steerable", True),
-        "differences": {int(i): float(x) for i, x in zip(t.index[:m], d[:m])},
+        "differences": {int(i): float(x) for i, x in zip(t.index, d)},  # every look's instances; the first n decided
         **(_t_beside(d[:m], dec["a_j"]) if m and dec.get("a_j") else _t_beside(np.array([]), 0.05)),
         **beside_rliable(t.arm.to_numpy(float)[:m], t.other.to_numpy(float)[:m]),
         "path": [_look(x) for x in looks],

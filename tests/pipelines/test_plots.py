@@ -28,6 +28,7 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
@@ -62,10 +63,10 @@ def test_arms_has_every_cell_with_its_median_and_iqr_across_instances(views):
     arms = json.loads((out / "plots/arms.json").read_text())
     cells = list(dict.fromkeys(r["cell"] for r in arms))
     assert cells[0] == "no KL" and len(cells) == 1 + len(tr.runs[tr.runs.arm != "none"].groupby(["arm", "level"]))
-    assert "loss_k3 β 0.1" in cells and "reward_k3 KL 4" in cells
+    assert "loss_k3 β 0.1" in cells and "reward_k1 KL 4.2" in cells and "loss_k3 KL 2.1" in cells
     assert all(r["q25"] <= r["median"] <= r["q75"] and r["n"] == 12 for r in arms)
     # the median at one iteration, by hand: the instances' gold of that cell (one seed each)
-    # (its coef and tuned cells share β 0.1 here: one cell, each instance the mean of its two runs)
+    # (its act and tuned cells share β 0.1 here: one cell, each instance the mean of its two runs)
     ev = tr.evals[(tr.evals.arm == "loss_k3") & (tr.evals.kind == "fixed") & (tr.evals.iteration == 60)]
     row = next(r for r in arms if r["cell"] == "loss_k3 β 0.1" and r["iteration"] == 60)
     assert row["median"] == pytest.approx(float(ev.groupby("instance").gold.mean().median()), abs=1e-6)
@@ -82,33 +83,41 @@ def test_frontier_draws_each_placement_with_the_no_kl_trajectory(views):
     assert all({"kl", "gold", "iteration"} <= set(r) for r in rows)
 
 
-def test_differences_are_each_questions_paired_differences_by_instance(views):
+def test_differences_are_each_comparisons_paired_differences_by_instance(views):
     tr, out, _ = views
     rows = json.loads((out / "plots/differences.json").read_text())
-    for r in tr.primary:  # generic over whatever questions the analysis returned
-        mine = [x for x in rows if x["question"] == r["question"]]
+    assert list(dict.fromkeys(x["comparison"] for x in rows)) == [r["comparison"] for r in tr.primary]
+    for r in tr.primary:  # generic over whatever comparisons the analysis returned (a frontier level each)
+        mine = [x for x in rows if x["comparison"] == r["comparison"]]
         assert [x["instance"] for x in mine] == list(range(12))  # the pre-registered order
+        assert {x["question"] for x in mine} == {r["question"]} and mine[0]["contrast"] == r["contrast"]
         assert sum(x["decided"] for x in mine) == r["n"]
         decided = [x["difference"] for x in mine if x["decided"]]
-        assert sum(decided) / len(decided) == pytest.approx(r["estimate"], abs=1e-5)
+        assert np.median(decided) == pytest.approx(r["estimate"], abs=1e-5)  # the estimand: the median
 
 
-def test_metrics_json_is_flat_identifier_safe_and_generic_over_the_questions():
+def test_metrics_json_is_flat_identifier_safe_and_generic_over_the_comparisons():
     from pipelines.analysis import headline_metrics
 
     rows = [
-        {"question": "same estimator, same β", "verdict": "equivalent", "estimate": 0.01, "lo": -0.02, "hi": 0.04,
-         "n": 8},
-        {"question": "Q-frontier@KL 4", "verdict": "inconclusive", "estimate": 0.2, "lo": float("nan"), "hi": None,
-         "n": 4},
+        {"question": "same_beta", "comparison": "same estimator, same β", "verdict": "equivalent",
+         "label": "equivalent; a non-zero difference inside the margin", "estimate": 0.01, "lo": -0.02, "hi": 0.04,
+         "n": 8, "cap": 24},
+        {"question": "frontier", "comparison": "frontier@level 2", "verdict": "inconclusive", "label": "inconclusive",
+         "estimate": 0.2, "lo": float("nan"), "hi": None, "n": 4, "cap": 12},
     ]  # fmt: skip
-    protocol = {"coef": 0.03, "control_coef": 0.1, "kl_target": 10.1, "margins": {"gold": 0.14},
+    protocol = {"coef": 0.03, "control_coef": 0.1, "levels": [1.5, 3.0, 6.0], "margins": {"gold": 0.14, "log_kl": 0.2},
                 "tuned": {"loss_k3": 0.1}}  # fmt: skip
     m = headline_metrics(rows, "not settled", {"alpha": 0.05}, 24, protocol)
     assert all(re.fullmatch(r"[A-Za-z0-9_]+", k) for k in m), list(m)
     assert m["headline"] == "not settled" and m["same_estimator_same_verdict"] == "equivalent"  # ASCII only
-    assert m["Q_frontier_KL_4_estimate"] == 0.2 and "Q_frontier_KL_4_lo" not in m and "Q_frontier_KL_4_hi" not in m
-    assert m["beta"] == 0.03 and m["margin_gold"] == 0.14 and m["beta_loss_k3"] == 0.1 and m["n_instances"] == 24
+    assert m["same_estimator_same_label"].startswith("equivalent; a non-zero") and m["same_estimator_same_cap"] == 24
+    assert m["frontier_level_2_estimate"] == 0.2 and "frontier_level_2_lo" not in m and "frontier_level_2_hi" not in m
+    assert (m["frontier_level_2_n"], m["frontier_level_2_cap"]) == (4, 12)
+    assert m["beta"] == 0.03 and m["control_beta"] == 0.1 and m["beta_loss_k3"] == 0.1 and m["n_instances"] == 24
+    assert m["margin_gold"] == 0.14 and m["margin_log_kl"] == 0.2
+    assert (m["kl_level_1"], m["kl_level_2"], m["kl_level_3"]) == (1.5, 3.0, 6.0) and "kl_target" not in m
+    assert not any(k.startswith(("Q1", "Q2", "Q3", "Q4")) for k in m)  # v3's question ids are gone
     assert not any(isinstance(v, dict | list) for v in m.values())
 
 
