@@ -65,6 +65,8 @@ def headline_metrics(primary: list[dict], headline: str, budget: dict, n_instanc
     out |= {f"beta_{identifier(arm)}": v for arm, v in (protocol.get("tuned") or {}).items()}
     keep = lambda v: isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v))
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items() if v is not None and keep(v)}
+
+
 # the code that decides (protocol v4): a change to it after results exist is an amendment, like a params change
 DECIDING_CODE = tuple(
     f"ablations/{m}.py" for m in ("calibration", "comparisons", "plan", "primary", "protocol_params", "rule",

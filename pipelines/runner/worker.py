@@ -1,6 +1,6 @@
 """What runs in a worker process, local (pipelines.runner.local) or Ray (pipelines.runner.ray): one cell, one
-upstream stage or one stage after a wave (calibrate, planning, analysis: local workers only), with what it ran with (the
-params.yaml text and the protocol files it read)."""
+upstream stage or one stage after a wave (calibrate, planning, analysis: local workers only), with what it ran with
+(the params.yaml text and the protocol files it read)."""
 
 from __future__ import annotations
 
@@ -114,9 +114,9 @@ def ppo_cell(params, cell: Cell) -> dict:
 def upstream_mains() -> dict:
     """{stage kind: its script's main}, for the upstream stages (dvc.yaml: `python -m pipelines.<kind>`). Imported
     here, in the worker, not by the runner: they load torch."""
-    from pipelines import data, rm, sft
+    from pipelines import data, eval0, rm, sft
 
-    return {"data": data.main, "sft": sft.main, "rm": rm.main}
+    return {"data": data.main, "sft": sft.main, "rm": rm.main, "eval0": eval0.main}
 
 
 def upstream_stage(params, up: Upstream) -> dict:
@@ -148,10 +148,10 @@ def _declared(stage: str) -> tuple[list[str], list[Path]]:
 
 
 def tail_stage(params, tail: Tail) -> dict:
-    """Runs ``<task>_calibrate``, ``<task>_planning`` or ``<task>_analysis`` in this worker as `dvc repro` runs it: its declared outputs
-    removed first (DVC's ``Stage.remove_outs``: no file of an earlier run outlives this one), then its dvc.yaml
-    command, ``python -m MODULE ARGS`` as ``runpy`` runs it (its ``__main__`` block included: a refusal is its one
-    line). The stage writes its outputs atomically; the runner records it in dvc.lock like a cell."""
+    """Runs ``<task>_calibrate``, ``<task>_planning`` or ``<task>_analysis`` in this worker as `dvc repro` runs it:
+    its declared outputs removed first (DVC's ``Stage.remove_outs``: no file of an earlier run outlives this one), then
+    its dvc.yaml command, ``python -m MODULE ARGS`` as ``runpy`` runs it (its ``__main__`` block included: a refusal
+    is its one line). The stage writes its outputs atomically; the runner records it in dvc.lock like a cell."""
     argv, outs = _declared(tail.stage)
     for path in outs:
         if path.is_dir() and not path.is_symlink():

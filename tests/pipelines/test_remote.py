@@ -26,8 +26,12 @@ CODE = ("rlhf", "ablations/", "pipelines/", "params.yaml")  # code travels as py
 
 
 def both_tasks() -> dict:
-    """params.yaml with one calibration instance and one batch of evaluation instances per task."""
-    one = {"instances": [100, 101, 102, 103], "calibration": {"instances": [0]}}
+    """params.yaml with one calibration instance, two planning instances and one batch of evaluation instances per
+    task, every design group on it."""
+    first = [100, 101, 102, 103]
+    groups = repo_params()["grammar"]["allocation"]
+    one = {"instances": first, "calibration": {"instances": [0], "plan_instances": [1, 2]},
+           "allocation": {g: first if a else [] for g, a in groups.items()}}  # fmt: skip
     return repo_params({task: one for task in TASKS})
 
 
@@ -45,7 +49,7 @@ def test_each_stage_is_shipped_the_upstream_outputs_dvc_yaml_says_it_reads(tmp_p
         want = {d for d in deps[item.stage] if not d.startswith(CODE)}
         assert {p.as_posix() for p in inputs(item)} == want, item.stage
     assert {s for s in deps if s not in {i.stage for i in items}} == {
-        f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")
+        f"{t}_{k}" for t in TASKS for k in ("calibrate", "planning", "analysis")
     }  # every other stage reads the repository's history or many runs: they run on the runner's machine
 
 
@@ -53,10 +57,13 @@ def test_the_stages_after_a_wave_run_their_dvc_yaml_command_and_remove_their_out
     for task in TASKS:
         argv, outs = worker._declared(f"{task}_calibrate")
         assert argv == ["pipelines.calibrate", task] and outs == [Path(f"protocol/{task}.json")]
+        argv, outs = worker._declared(f"{task}_planning")
+        assert argv == ["pipelines.plan", task] and outs == [Path(f"protocol/{task}.plan.json")]
         argv, outs = worker._declared(f"{task}_analysis")
         assert argv == ["pipelines.analysis", task] and Path(f"reports/{task}/figures") in outs
         assert Path(f"reports/{task}/stats.json") in outs
     assert Tail("grammar", "analysis").stage == "grammar_analysis"
+    assert Tail("grammar", "planning").stage == "grammar_planning"
 
 
 def test_a_cells_files_replace_its_folder_whole_and_other_files_one_by_one(tmp_path, monkeypatch):
