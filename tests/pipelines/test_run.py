@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from ablations.config import Params
-from ablations.grid import calibration_cells, cells, evaluation_cells, upstream_chains
+from ablations.grid import calibration_cells, cells, evaluation_cells, plan_cells, upstream_chains
 from ablations.tasks import TASKS
 from pipelines.runner import cli, dvccli, mlflow_runs, plan, record, worker
 from pipelines.runner import ray as rayrun
@@ -50,8 +50,8 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 
 PARAMS = Params.model_validate(repo_params(TINY))
-GRID = cells(PARAMS)  # the calibration cells first, then the evaluation cells
-CAL, EVAL = calibration_cells(PARAMS), evaluation_cells(PARAMS)
+GRID = cells(PARAMS)  # the calibration cells first, then the plan cells, then the evaluation cells
+CAL, PLAN, EVAL = calibration_cells(PARAMS), plan_cells(PARAMS), evaluation_cells(PARAMS)
 FAST = {c.stage for c in GRID[:2]}  # FAKE_FAST=2: these two finish at once, the others run for a minute
 
 
@@ -384,7 +384,7 @@ def test_ray_cells_ask_for_their_threads_and_a_share_of_a_gpu():
         rayrun.ray_resources(0, 2, 1)
 
 
-CHAINS = upstream_chains(PARAMS)  # grammar: calibration instance 0, then evaluation instances 10, 11
+CHAINS = upstream_chains(PARAMS)  # grammar: calibration instance 0, planning instances 1, 2, evaluation 10, 11
 
 
 def run_upstream(workdir: Path, stale: list[str], **extra: str) -> subprocess.CompletedProcess:
@@ -411,6 +411,8 @@ def test_upstream_chains_match_dvc_yaml():
             "grammar_calibration_rm@0",
             "grammar_calibration_eval0@0",
         ],
+        ["grammar_plan_data@1", "grammar_plan_sft@1", "grammar_plan_rm@1", "grammar_plan_eval0@1"],
+        ["grammar_plan_data@2", "grammar_plan_sft@2", "grammar_plan_rm@2", "grammar_plan_eval0@2"],
         ["grammar_data@10", "grammar_sft@10", "grammar_rm@10", "grammar_eval0@10"],
         ["grammar_data@11", "grammar_sft@11", "grammar_rm@11", "grammar_eval0@11"],
     ]
@@ -418,19 +420,21 @@ def test_upstream_chains_match_dvc_yaml():
     assert ["arithmetic_calibration_data@0", "arithmetic_calibration_sft@0", "arithmetic_calibration_eval0@0"] in (
         upstream_chains(both)
     )
-    assert ["arithmetic_data@100", "arithmetic_sft@100", "arithmetic_eval0@100"] in upstream_chains(both)
-    assert upstream_chains(PARAMS, evaluation=False) == CHAINS[:1]  # --calibration-only
+    assert ["arithmetic_plan_data@3", "arithmetic_plan_sft@3", "arithmetic_plan_eval0@3"] in upstream_chains(both)
+    assert ["arithmetic_data@124", "arithmetic_sft@124", "arithmetic_eval0@124"] in upstream_chains(both)
+    assert upstream_chains(PARAMS, evaluation=False) == CHAINS[:3]  # --calibration-only: calibration and planning
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]  # YAML merge keys resolved
+    matrix = {"": "instances", "calibration_": "calibration.instances", "plan_": "calibration.plan_instances"}
     for task, kind in itertools.product(TASKS, ("data", "sft", "rm", "eval0")):
         if kind == "rm" and not TASKS[task].learned_reward:
-            assert f"{task}_rm" not in stages and f"{task}_calibration_rm" not in stages
+            assert not any(f"{task}_{p}rm" in stages for p in matrix)
             continue
-        # worker.upstream_stage runs pipelines.<kind>.main([task, instance]) for both stage groups
+        # worker.upstream_stage runs pipelines.<kind>.main([task, instance]) for the three stage groups
         assert worker.upstream_mains()[kind] is importlib.import_module(f"pipelines.{kind}").main
         cmd = f"python -m pipelines.{kind} {task} ${{item.instance}}"
-        assert stages[f"{task}_{kind}"]["cmd"] == stages[f"{task}_calibration_{kind}"]["cmd"] == cmd
-        assert stages[f"{task}_calibration_{kind}"]["matrix"] == {"instance": f"${{{task}.calibration.instances}}"}
-        assert stages[f"{task}_{kind}"]["matrix"] == {"instance": f"${{{task}.instances}}"}
+        for prefix, key in matrix.items():
+            assert stages[f"{task}_{prefix}{kind}"]["cmd"] == cmd
+            assert stages[f"{task}_{prefix}{kind}"]["matrix"] == {"instance": f"${{{task}.{key}}}"}
 
 
 def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cells(workdir):
@@ -446,9 +450,11 @@ def test_stale_chains_run_concurrently_in_order_and_are_recorded_before_the_cell
     lock = committed(workdir / "fake.lock")
     n = len(stale)
     assert set(lock[:n]) == set(stale)
-    assert set(lock[n : n + len(CAL)]) == {c.stage for c in CAL}  # the calibration wave, then the evaluation
-    assert lock[n + len(CAL)] == "grammar_calibrate" and set(lock[n + len(CAL) + 1 :]) == {c.stage for c in EVAL}
-    assert "3 upstream chains to build: grammar_calibration_data@0, grammar_data@10, grammar_data@11" in out.stdout
+    assert_waves(lock[n:])  # the calibration wave, the planning wave, then the evaluation
+    assert (
+        "5 upstream chains to build: grammar_calibration_data@0, grammar_plan_data@1, grammar_plan_data@2, "
+        "grammar_data@10, grammar_data@11" in out.stdout
+    )
 
 
 def test_a_chain_with_fresh_data_and_stale_sft_starts_at_sft(workdir):
@@ -469,7 +475,7 @@ def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
     out = run_upstream(workdir, [])
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert not stage_records(workdir) and "upstream" not in out.stdout
-    assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID} | {"grammar_calibrate"}
+    assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID} | {"grammar_calibrate", "grammar_planning"}
 
 
 def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(workdir):
@@ -482,7 +488,16 @@ def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(wor
     assert not with_outputs(workdir) and not list((workdir / "fake").glob("worker-*"))
 
 
-# ---------------------------------------------------------------- protocol v3: the calibration wave comes first
+# ------------------------------------------ protocol v4: the calibration wave, then the planning wave, come first
+
+
+def assert_waves(lock: list[str]) -> None:
+    """``lock`` (the stages recorded after the upstream ones) holds every calibration cell, then grammar_calibrate,
+    every plan cell, grammar_planning, then the evaluation cells."""
+    c, p = len(CAL), len(CAL) + 1 + len(PLAN)
+    assert set(lock[:c]) == {x.stage for x in CAL} and lock[c] == "grammar_calibrate"
+    assert set(lock[c + 1 : p]) == {x.stage for x in PLAN} and lock[p] == "grammar_planning"
+    assert set(lock[p + 1 :]) == {x.stage for x in EVAL}
 
 
 def run_fake(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -497,27 +512,35 @@ def run_fake(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_calibration_wave_and_the_calibrate_stage_come_before_any_evaluation_cell(workdir):
+def test_the_calibration_and_planning_waves_and_their_stages_come_before_any_evaluation_cell(workdir):
     out = run_fake(workdir, "--no-analysis")
     assert out.returncode == 0, (out.stdout, out.stderr)
     cal_line = f"{len(CAL)} of {len(CAL)} calibration cells to run on 2 local workers\n"
+    plan_line = f"{len(PLAN)} of {len(PLAN)} planning cells to run on 2 local workers\n"
     eval_line = f"{len(EVAL)} of {len(EVAL)} grid cells to run on 2 local workers\n"
-    assert cal_line in out.stdout and eval_line in out.stdout, out.stdout
-    assert out.stdout.index(cal_line) < out.stdout.index(eval_line)
-    # every calibration cell, then grammar_calibrate (in a worker, once they had all finished), is recorded before
-    # any evaluation cell ran; with --no-analysis no analysis, and no `dvc repro` at all
-    lock = committed(workdir / "fake.lock")
-    assert set(lock[: len(CAL)]) == {c.stage for c in CAL} and lock[len(CAL)] == "grammar_calibrate"
-    assert set(lock[len(CAL) + 1 :]) == {c.stage for c in EVAL}
-    assert (workdir / "fake/tails").read_text() == f"grammar_calibrate after {len(CAL)} cells\n"
+    assert cal_line in out.stdout and plan_line in out.stdout and eval_line in out.stdout, out.stdout
+    assert out.stdout.index(cal_line) < out.stdout.index(plan_line) < out.stdout.index(eval_line)
+    # every calibration cell, then grammar_calibrate (in a worker, once they had all finished), every plan cell, then
+    # grammar_planning, are recorded before any evaluation cell ran; with --no-analysis no analysis, and no
+    # `dvc repro` at all
+    assert_waves(committed(workdir / "fake.lock"))
+    assert (workdir / "fake/tails").read_text() == (
+        f"grammar_calibrate after {len(CAL)} cells\ngrammar_planning after {len(CAL) + len(PLAN)} cells\n"
+    )
     assert not (workdir / "fake/repro").exists()
     assert "then, each once its task's cells have finished: grammar_calibrate\n" in out.stdout
-    assert all(c.calibration for c in CAL) and not any(c.calibration for c in EVAL)
-    assert {c.kind for c in EVAL} == {"baseline", "design"} and all(c.kl is None for c in EVAL if c.kind == "design")
+    assert "then, each once its task's cells have finished: grammar_planning\n" in out.stdout
+    assert all(c.calibration for c in CAL) and not any(c.calibration or c.plan for c in EVAL)
+    assert all(c.plan for c in PLAN) and {c.kind for c in PLAN} == {"plan_baseline", "plan"}
+    assert {c.kind for c in EVAL} == {"baseline", "design"}
+    assert all(c.kl is None for c in EVAL + PLAN if c.kind in ("design", "plan"))
 
 
 def test_each_tasks_calibrate_and_analysis_run_in_workers_once_its_cells_are_done_both_tasks_at_once(workdir):
-    both = repo_params({t: {"instances": [100, 101, 102, 103], "calibration": {"instances": [0]}} for t in TASKS})
+    first = [100, 101, 102, 103]
+    alloc = {g: first if a else [] for g, a in repo_params()["grammar"]["allocation"].items()}
+    one = {"instances": first, "allocation": alloc, "calibration": {"instances": [0], "plan_instances": [1, 2]}}
+    both = repo_params(dict.fromkeys(TASKS, one))
     (workdir / "params.yaml").write_text(yaml.safe_dump(both, sort_keys=False))
     grid = cells(Params.model_validate(both))
     out = subprocess.run(
@@ -532,27 +555,28 @@ def test_each_tasks_calibrate_and_analysis_run_in_workers_once_its_cells_are_don
     lines = (workdir / "fake/tails").read_text().splitlines()
     per_task = {t: [c for c in grid if c.task == t] for t in TASKS}
     for task, mine in per_task.items():
-        n_cal = sum(c.calibration for c in mine)
+        n_cal, n_plan = sum(c.calibration for c in mine), sum(c.plan for c in mine)
         assert f"{task}_calibrate after {n_cal} cells" in {line.split(" with ")[0] for line in lines}, lines
+        assert f"{task}_planning after {n_cal + n_plan} cells" in {line.split(" with ")[0] for line in lines}, lines
         assert f"{task}_analysis after {len(mine)} cells" in {line.split(" with ")[0] for line in lines}, lines
     assert {line for line in lines if "_analysis" in line} == {  # both analyses ran at once, on the two workers
         f"{a}_analysis after {len(per_task[a])} cells with {b}_analysis" for a, b in itertools.permutations(TASKS, 2)
     }, lines
     lock = committed(workdir / "fake.lock")
-    assert set(lock) == {c.stage for c in grid} | {f"{t}_{k}" for t in TASKS for k in ("calibrate", "analysis")}
+    tails = ("calibrate", "planning", "analysis")
+    assert set(lock) == {c.stage for c in grid} | {f"{t}_{k}" for t in TASKS for k in tails}
     for task in TASKS:  # recorded after every cell it read
         stages = [c.stage for c in per_task[task]]
         assert lock.index(f"{task}_analysis") > max(lock.index(s) for s in stages)
         cal = [c.stage for c in per_task[task] if c.calibration]
-        assert (
-            max(lock.index(s) for s in cal)
-            < lock.index(f"{task}_calibrate")
-            < min(lock.index(c.stage) for c in per_task[task] if not c.calibration)
-        )
+        planned = [c.stage for c in per_task[task] if c.plan]
+        evaluated = [c.stage for c in per_task[task] if not (c.calibration or c.plan)]
+        assert max(lock.index(s) for s in cal) < lock.index(f"{task}_calibrate") < min(map(lock.index, planned))
+        assert max(map(lock.index, planned)) < lock.index(f"{task}_planning") < min(map(lock.index, evaluated))
     assert not (workdir / "fake/repro").exists()  # no `dvc repro` at all
 
 
-def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_stops(workdir):
+def test_calibration_only_builds_the_calibration_and_planning_instances_runs_their_cells_and_stops(workdir):
     out = subprocess.run(
         [sys.executable, "-c", runner_script(), "--workers", "2", "--commit-every", "0", "--calibration-only"],
         cwd=workdir,
@@ -562,13 +586,21 @@ def test_calibration_only_builds_the_calibration_instances_runs_their_cells_and_
         timeout=HANG_S,
     )
     assert out.returncode == 0, (out.stdout, out.stderr)
-    assert "1 upstream chains to build: grammar_calibration_data@0\n" in out.stdout, out.stdout
-    assert "calibration done: protocol/<task>.json written; commit it before the evaluation" in out.stdout
+    built = "grammar_calibration_data@0, grammar_plan_data@1, grammar_plan_data@2"
+    assert f"3 upstream chains to build: {built}\n" in out.stdout, out.stdout
+    assert (
+        "calibration and plan done: protocol/<task>.json and protocol/<task>.plan.json written; commit them before "
+        "the evaluation" in out.stdout
+    )
     assert "grid cells" not in out.stdout
-    assert set(stage_records(workdir)) == set(CHAINS[0])  # no evaluation instance was built
-    assert set(committed(workdir / "fake.lock")) == set(CHAINS[0]) | {c.stage for c in CAL} | {"grammar_calibrate"}
-    assert with_outputs(workdir) == {c.stage for c in CAL}
-    assert (workdir / "fake/tails").read_text() == f"grammar_calibrate after {len(CAL)} cells\n"  # no analysis
+    chains = {s for c in CHAINS[:3] for s in c}
+    assert set(stage_records(workdir)) == chains  # no evaluation instance was built
+    tails = {"grammar_calibrate", "grammar_planning"}
+    assert set(committed(workdir / "fake.lock")) == chains | {c.stage for c in CAL + PLAN} | tails
+    assert with_outputs(workdir) == {c.stage for c in CAL + PLAN}
+    assert (workdir / "fake/tails").read_text() == (  # no analysis
+        f"grammar_calibrate after {len(CAL)} cells\ngrammar_planning after {len(CAL) + len(PLAN)} cells\n"
+    )
 
 
 def test_an_upstream_stage_of_a_calibration_instance_runs_its_tasks_module(monkeypatch):
