@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ablations.config import Params
-from ablations.grid import calibration_cells
+from ablations.grid import calibration_cells, plan_cells
 from pipelines.runner import population
 from tests.conftest import repo_params
 from tests.pipelines.fakes import committed, env, runner_script
@@ -18,7 +18,7 @@ from tests.pipelines.procs import HANG_S
 from tests.pipelines.tiny import ALL_CELLS, TINY, make_repo, sh, visible_runs
 
 PARAMS = Params.model_validate(repo_params(TINY))
-CAL = calibration_cells(PARAMS)
+CAL, PLAN = calibration_cells(PARAMS), plan_cells(PARAMS)
 
 
 def structure_of(cell) -> tuple:
@@ -72,9 +72,11 @@ def test_the_runner_runs_groups_and_records_every_cell(workdir):
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout, out.stderr)
     recorded = set(committed(workdir / "fake.lock"))
-    assert recorded == {c.stage for c in CAL} | {"grammar_calibrate"}  # every cell, recorded as a cell
+    tails = {"grammar_calibrate", "grammar_planning"}
+    assert recorded == {c.stage for c in CAL + PLAN} | tails  # every cell, recorded as a cell
     groups = [json.loads(p.read_text()) for p in (workdir / "fake").glob("group-*.json")]
-    planned = [i for i in population.plan(PARAMS, CAL, 3) if isinstance(i, population.Group)]
+    # plan cells need the calibration's protocol to know their structure (the fake calibrate writes none): alone
+    planned = [i for w in (CAL, PLAN) for i in population.plan(PARAMS, w, 3) if isinstance(i, population.Group)]
     assert sorted(groups) == sorted([c.stage for c in g.cells] for g in planned) and groups
     assert all((workdir / "runs").exists() for _ in groups)
 
