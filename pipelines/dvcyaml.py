@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ablations.experiment import PARAMS_FILE, SHARED, read_yaml
+from ablations.experiment import PARAMS_FILE, SHARED, ParamsError, read_yaml
 from ablations.tasks import TASKS
 
 DVC_YAML = Path("dvc.yaml")
@@ -240,7 +240,7 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
         "params:\n      - <task>.ppo\n      - grid.arms.${item.arm}",
     ),
     "calibrate": """\
-  <task>_calibrate:       # fixes margins, KL target, coefficients and the control on the calibration cells only
+  <task>_calibrate:       # fixes margins, coefficients, KL levels and the control on the calibration cells only
     cmd: python -m pipelines.calibrate <task>
     deps:
       - rlhf/__init__.py
@@ -279,6 +279,7 @@ STAGES = {  # one template per stage kind, in dvc.yaml's order
       - rlhf/config.py
       - ablations
       - pipelines/__init__.py
+      - pipelines/calibrate.py
       - pipelines/cpu.py
       - pipelines/plan.py
       - protocol/<task>.json
@@ -442,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 when dvc.yaml is not its rendering")
     args = p.parse_args(argv)
-    text = render()
+    try:
+        text = render()  # its stage names hold params.yaml's design groups
+    except ParamsError as e:
+        sys.exit(f"error: {e}")
     if args.check:
         if not DVC_YAML.is_file() or DVC_YAML.read_text(encoding="utf-8") != text:
             sys.exit(f"error: {DVC_YAML} is not its rendering; run `python -m pipelines.dvcyaml` to rewrite it")

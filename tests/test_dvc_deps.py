@@ -47,6 +47,7 @@ def stage_groups() -> list[tuple[str, str, list[Path]]]:
     p = repo_params()
     for task in TASKS:
         p[task]["coefs"], p[task]["kl_targets"] = [0.1], [2.0]
+        p[task]["allocation"] = dict.fromkeys(p[task]["allocation"], p[task]["instances"])  # every design group
     p["pretrained"] = ["smollm2-135m"]  # the packaged models' conversion stage (none by default)
     groups = {}
     with tempfile.TemporaryDirectory() as tmp:

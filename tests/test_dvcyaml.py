@@ -4,6 +4,7 @@ must be its rendering (a stale one fails here, and `python -m pipelines.dvcyaml 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -22,17 +23,24 @@ def test_every_registered_task_has_its_stages_and_rm_stages_only_with_a_reward_m
     stages = yaml.safe_load(dvcyaml.render())["stages"]
     for task, spec in TASKS.items():
         assert {f"{task}_{k}" for k in dvcyaml.STAGES if k not in dvcyaml.RM_KINDS} <= set(stages)
-        assert (f"{task}_rm" in stages) == (f"{task}_calibration_rm" in stages) == spec.learned_reward
+        assert {f"{task}_{k}" in stages for k in dvcyaml.RM_KINDS} == {spec.learned_reward}
         rm_deps = [d for s, e in stages.items() if s.startswith(f"{task}_") for d in e.get("deps", []) if "rm.pt" in d]
         assert bool(rm_deps) == spec.learned_reward
-    assert len(stages) == 1 + sum(len(dvcyaml.STAGES) - 2 * (not s.learned_reward) for s in TASKS.values())
+        for g in dvcyaml.design_groups()[1:]:  # every design group's own stages, on the planning and evaluation
+            assert {f"{task}_plan_{g}", f"{task}_design_{g}"} <= set(stages)
+    groups = len(dvcyaml.design_groups())  # the design and plan templates: one stage per group each
+    per_task = lambda s: len(dvcyaml.STAGES) - len(dvcyaml.RM_KINDS) * (not s.learned_reward) + 2 * (groups - 1)
+    assert len(stages) == 1 + sum(per_task(s) for s in TASKS.values())
     assert stages["pretrained"]["matrix"] == {"name": "${pretrained}"}  # the one stage not per task
 
 
 def test_check_refuses_a_stale_file_in_one_line(tmp_path):
-    (tmp_path / "dvc.yaml").write_text(dvcyaml.render() + "# edited by hand\n")
     cmd = [sys.executable, "-m", "pipelines.dvcyaml", "--check"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)  # no params.yaml to render from
+    assert out.returncode == 1 and out.stderr == "error: params.yaml: cannot read: No such file or directory\n"
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")  # dvc.yaml's stage names hold its design groups
+    (tmp_path / "dvc.yaml").write_text(dvcyaml.render() + "# edited by hand\n")
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "python -m pipelines.dvcyaml" in out.stderr
     (tmp_path / "dvc.yaml").write_text(dvcyaml.render())
