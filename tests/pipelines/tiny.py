@@ -76,13 +76,21 @@ TINY = {
 }
 
 
-ARMS = ("reward_k1", "loss_k1", "reward_k3", "loss_k3")
+ARMS = ("reward_k1", "loss_k1", "reward_k3", "loss_k3", "loss_k3_isrtg")
 
 
 CAL_ARMS = ("reward_k1", "loss_k3")
 
 
-DESIGN = tuple(repo_params(TINY)["grid"]["design"])  # params.yaml's design: 8 cells per instance
+# params.yaml's design, by group: the shared group and every group allocated evaluation instances run on 10 and 11
+# (TINY's allocation), every group on the planning instances 1 and 2
+DESIGN_GROUPS = {g: tuple(cells) for g, cells in repo_params(TINY)["grid"]["design"].items()}
+DESIGN = tuple(e for cells in DESIGN_GROUPS.values() for e in cells)  # 14 entries
+EVALUATED = tuple(g for g in DESIGN_GROUPS if g == "shared" or TINY["grammar"]["allocation"][g])
+
+
+def _group(task: str, kind: str, group: str) -> str:
+    return f"{task}_{kind}" if group == "shared" else f"{task}_{kind}_{group}"
 
 
 def calibration_stages(instances=(0,), task="grammar") -> set[str]:
@@ -93,18 +101,32 @@ def calibration_stages(instances=(0,), task="grammar") -> set[str]:
     return out
 
 
-def cell_stages(instances=(10, 11), task="grammar") -> set[str]:
-    """The evaluation cells of these instances: the no-KL baseline and every design cell."""
+def plan_stages(instances=(1, 2), task="grammar") -> set[str]:
+    """The planning cells of these instances: the no-KL baseline and every design entry of every group."""
     out = set()
     for i in instances:
-        out |= {f"{task}_baseline@{i}-0"} | {f"{task}_design@{i}-{d}-0" for d in DESIGN}
+        out |= {f"{task}_plan_baseline@{i}-0"}
+        out |= {f"{_group(task, 'plan', g)}@{i}-{e}-0" for g, cells in DESIGN_GROUPS.items() for e in cells}
+    return out
+
+
+def cell_stages(instances=(10, 11), task="grammar") -> set[str]:
+    """The evaluation cells of these instances: the no-KL baseline and every design cell of the groups that run
+    there."""
+    out = set()
+    for i in instances:
+        out |= {f"{task}_baseline@{i}-0"}
+        out |= {f"{_group(task, 'design', g)}@{i}-{e}-0" for g in EVALUATED for e in DESIGN_GROUPS[g]}
     return out
 
 
 CAL_CELLS = calibration_stages()  # 7
 
 
-ALL_CELLS = CAL_CELLS | cell_stages()  # 7 + 18
+PLAN_CELLS = plan_stages()  # 2 x (1 + 14)
+
+
+ALL_CELLS = CAL_CELLS | PLAN_CELLS | cell_stages()  # 7 + 30 + 2 x (1 + 13)
 
 
 def stage_env(repo: Path) -> dict:
