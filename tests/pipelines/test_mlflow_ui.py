@@ -72,7 +72,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 def stage_of(arm: str, coef: float, instance: int) -> str:
     task = "arithmetic" if instance >= 200 else "grammar"
-    return f"{task}_baseline@{instance}-0" if arm == "none" else f"{task}_design@{instance}-{arm}-coef-0"
+    return f"{task}_baseline@{instance}-0" if arm == "none" else f"{task}_design@{instance}-{arm}-act-0"
 
 
 def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
@@ -95,10 +95,9 @@ def cell_curves(arm: str, k: int) -> tuple[list[dict], list[dict]]:
 def store(tmp_path_factory) -> dict:
     """A sqlite store as one sweep (`make repro`) leaves it: the sweep's run, each task's group run under it, and one
     finished run per stage under its task's group: an SFT run, the CELLS (RERUN twice: its first run superseded),
-    another task's cell, and the analysis (logged from the committed reports/, with a metrics.json made from its
-    stats.json as the analysis stage makes it). Returns {"db", "dir", "experiment_id", "runs": {stage: run_id},
+    another task's cell, and the analysis (logged from the reports and views of a synthetic grammar grid, as the
+    analysis stage writes them). Returns {"db", "dir", "experiment_id", "runs": {stage: run_id},
     "superseded": run_id, "sweep": run_id}."""
-    import json
 
     from pipelines import analysis, tracking
 
@@ -121,7 +120,7 @@ def store(tmp_path_factory) -> dict:
             tags = {
                 "task": "arithmetic" if instance >= 200 else "grammar",
                 "kind": "baseline" if arm == "none" else "fixed",
-                "role": "-" if arm == "none" else "coef",
+                "role": "-" if arm == "none" else "act",
                 "instance": instance,
                 "seed": 0,
                 "arm": arm,
@@ -138,13 +137,15 @@ def store(tmp_path_factory) -> dict:
                 if stage in runs:
                     superseded = runs[stage]
                 runs[stage] = rid
+        # one task's analysis outputs: a synthetic grammar grid whose loss_k3 collapses past 3 nats ("matters")
+        from ablations import analysis as A
+        from tests.ablations import synthetic as syn
+
         reports = tmp / "reports"
-        shutil.copytree(REPO / "reports" / "grammar", reports)  # one task's analysis outputs
-        st = json.loads((reports / "stats.json").read_text())
-        proto = json.loads((REPO / "protocol" / "grammar.json").read_text())
-        metrics = analysis.headline_metrics(list(st["primary"].values()), st["headline"], st["budget"],
-                                            st["n_instances"], proto)  # fmt: skip
-        (reports / analysis.METRICS).write_text(json.dumps(metrics))
+        exp = syn.write_runs(tmp / "synthetic", behaviours={"loss_k3": syn.Behaviour(crash_above=3.0)})
+        res = A.analyse(syn.protocol(), exp, tmp / "synthetic", **syn.inputs())
+        analysis.write_views(res.tasks["grammar"], syn.calibrated(), reports)  # metrics.json among them
+        A.write_task(res, "grammar", reports)
         written = sorted(p for p in reports.rglob("*") if p.is_file())
         config = {"analysis": {"metric": "final_gold"}}
         with tracking.stage_run("grammar_analysis", EXPERIMENT, config, tags={"task": "grammar"}) as (client, rid):
@@ -315,7 +316,7 @@ def test_runs_table_lists_stage_runs_under_the_description(store, mlflow_ui, bro
 
 def test_default_chart_view_opens_on_the_sweeps_answer(store, mlflow_ui, browser):
     """The chart view as MLflow builds it by default draws the runs of the table: the sweep's run, its runs folded
-    under it. So it opens on the sweep's answer, one bar chart per primary question's estimate (and the number of
+    under it. So it opens on the sweep's answer, one bar chart per primary comparison's estimate (and the number of
     instances), not on one chart per comparison; the training curves are in each task's saved view."""
     exp_id = store["experiment_id"]
     browser.get(mlflow_ui + RUNS_PAGE.format(exp_id=exp_id) + "&compareRunsMode=CHART")
@@ -323,7 +324,7 @@ def test_default_chart_view_opens_on_the_sweeps_answer(store, mlflow_ui, browser
         lambda d: drawn_cards(d, 3, has_lines=False), "the chart view does not open on the sweep's estimates"
     )
     titles = [card_title(c) for c in browser.find_elements(By.CSS_SELECTOR, CHART_CARD) if card_title(c)]
-    assert "grammar_Q1_estimate" in titles, titles  # the cards in view (the page draws those it shows)
+    assert "grammar_same_beta_estimate" in titles, titles  # the cards in view (the page draws those it shows)
     assert all(t.startswith("grammar_") and t.endswith(("_estimate", "_n_instances")) for t in titles), titles
     screenshot(browser, store, "default_chart_view.png")
 
@@ -379,7 +380,7 @@ def test_analysis_run_shows_the_comparisons_as_a_table(store, mlflow_ui, browser
     from mlflow.tracking import MlflowClient
 
     exp_id, run_id = store["experiment_id"], store["runs"]["grammar_analysis"]
-    comparisons = pd.read_csv(REPO / "reports" / "grammar" / "comparisons.csv")
+    comparisons = pd.read_csv(store["dir"] / "reports" / "comparisons.csv")
     browser.get(f"{mlflow_ui}#/experiments/{exp_id}/runs/{run_id}/artifacts/comparisons.json")
     first = comparisons["label"].iloc[0]
     WebDriverWait(browser, PAGE_S).until(
@@ -392,9 +393,11 @@ def test_analysis_run_shows_the_comparisons_as_a_table(store, mlflow_ui, browser
 
     client = MlflowClient(tracking_uri=f"sqlite:///{store['db']}")
     run = client.get_run(run_id)
-    assert run.data.tags["headline"] == "matters" and run.data.tags["Q1_verdict"]
-    assert {"Q1_estimate", "Q1_lo", "Q1_hi", "Q1_n", "beta", "margin_gold"} <= set(run.data.metrics)
+    assert run.data.tags["headline"] == "matters" and run.data.tags["same_beta_verdict"] == "material difference"
+    assert run.data.tags["same_beta_label"] == "material difference"
+    want = {"same_beta_estimate", "same_beta_lo", "same_beta_hi", "same_beta_n", "same_beta_cap", "beta", "margin_gold"}
+    assert want | {"kl_level_1", "margin_log_kl"} <= set(run.data.metrics)
     assert not any("/" in key for key in run.data.metrics)  # filed under "Model metrics", after the curves
     sweep = client.get_run(store["sweep"])  # the sweep's run carries each task's headline and links to the report
-    assert sweep.data.tags["grammar_headline"] == "matters" and "grammar_Q2_estimate" in sweep.data.metrics
+    assert sweep.data.tags["grammar_headline"] == "matters" and "grammar_camps_estimate" in sweep.data.metrics
     assert f"runs/{run_id}/artifacts/report.md" in sweep.data.tags["mlflow.note.content"]
