@@ -16,7 +16,7 @@ import yaml
 from ablations.tasks import TASKS
 from tests.conftest import repo_params
 from tests.helpers import REPO
-from tests.pipelines.tiny import TINY, make_repo, sh, stage_env
+from tests.pipelines.tiny import TINY, cell_stages, make_repo, sh, stage_env
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
 
@@ -67,8 +67,11 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     sh(repo, *GIT, "commit", "-qm", "tiny grid")
     out = sh(repo, sys.executable, "-m", "pipelines.exp", "run", "-n", "coef03", "-S", "grammar.coefs=[0.3]", "--",
              "--workers", "2")  # fmt: skip
-    assert "0 of 7 calibration cells to run" in out.stdout and "8 of 26 grid cells to run" in out.stdout, out.stdout
-    finished = re.findall(r"^\[\d+/8\] (\S+): gold ", out.stdout, re.MULTILINE)
+    n_arms, n_grid = len(TINY["grid"]["arms"]), len(cell_stages())
+    new = f"{2 * n_arms} of {n_grid + 2 * n_arms} grid cells to run"  # every arm at 0.3 on instances 10 and 11
+    assert "0 of 7 calibration cells to run" in out.stdout and "0 of 30 planning cells to run" in out.stdout
+    assert new in out.stdout, out.stdout
+    finished = re.findall(rf"^\[\d+/{2 * n_arms}\] (\S+): gold ", out.stdout, re.MULTILINE)
     assert sorted(finished) == sorted(f"grammar_fixed@{i}-{a}-0.3-0" for i in (10, 11) for a in TINY["grid"]["arms"])
     rows = exp_rows(repo)
     assert rows["coef03"]["params"]["grammar"]["coefs"] == [0.3]
@@ -76,22 +79,23 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     assert base["params"]["grammar"]["coefs"] == []
     for row in (rows["coef03"], base):
         m = row["metrics"]["reports/grammar/metrics.json"]
-        assert m["headline"] and m["n_instances"] == 2 and "Q1_verdict" in m and "Q1_n" in m and "beta" in m
+        assert m["headline"] and m["n_instances"] == 2 and "same_beta_verdict" in m and "same_beta_n" in m
+        assert "beta" in m and "kl_level_1" in m and "frontier_level2_cap" in m
     # the queue: each variation from the commit's state, the runner for each
     sh(repo, sys.executable, "-m", "pipelines.exp", "run", "--queue", "-n", "kl2", "-S", "grammar.kl_targets=[2.0]")
     assert "kl2: -S grammar.kl_targets=[2.0]" in sh(repo, sys.executable, "-m", "pipelines.exp", "queue").stdout
     out = sh(repo, sys.executable, "-m", "pipelines.exp", "start", "--", "--workers", "2").stdout
-    assert "8 of 26 grid cells to run" in out, out  # each arm steered to 2 nats; coefs back to the commit's []
+    assert new in out, out  # each arm steered to 2 nats; coefs back to the commit's []
     rows = exp_rows(repo)
     assert rows["kl2"]["params"]["grammar"]["kl_targets"] == [2.0] and rows["kl2"]["params"]["grammar"]["coefs"] == []
     # the table as `dvc exp show` prints it (in a terminal through `less -RS`): its first screen, 160 columns, shows
-    # each experiment with the task's headline and the first primary question
+    # each experiment with the task's headline and the first primary comparison
     env = {**stage_env(repo), "COLUMNS": "160"}
     table = subprocess.run([sys.executable, "-m", "dvc", "exp", "show"], cwd=repo, env=env, capture_output=True,
                            text=True, check=True).stdout  # fmt: skip
     screen = [line[:160] for line in table.splitlines()]
     header = next(line for line in screen if "Experiment" in line).split()
-    assert header[:4] == ["Experiment", "Created", "headline", "Q1_verdict"], header
+    assert header[:4] == ["Experiment", "Created", "headline", "same_beta_verdict"], header
     for name in ("coef03", "kl2", "workspace"):
         row = next(line for line in screen if name in line)
         assert any(v in row for v in ("matters", "not settled", "does not matter")), row

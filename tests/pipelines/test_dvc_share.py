@@ -21,7 +21,8 @@ from ..conftest import repo_params
 pytestmark = pytest.mark.slow
 DVC = (sys.executable, "-m", "dvc")
 LOCK = "**Protocol lock.**"
-FROZEN = "**Protocol (frozen).**"
+FROZEN = "**Protocol v4 (frozen).**"
+PLAN = "**Sample-size plan**"  # names the commit that froze protocol/<task>.plan.json too
 
 
 def tree(root: Path, sub: str) -> dict[str, bytes]:
@@ -32,8 +33,9 @@ def test_push_clone_pull_gives_every_result_and_the_same_report(tmp_path):
     author, remote, clone = tmp_path / "author", tmp_path / "remote", tmp_path / "clone"
     author.mkdir()
     make_repo(author, repo_params(TINY))
-    # the runner (calibration cells, grammar_calibrate, the evaluation cells, then `dvc repro`): plain `dvc repro`
-    # runs the 34 stages one process at a time, over the 600 s of `sh` on a busy 2-core machine
+    # the runner (calibration cells, grammar_calibrate, plan cells, grammar_planning, the evaluation cells, then the
+    # analysis): plain `dvc repro` runs the stages one process at a time, over the 600 s of `sh` on a busy 2-core
+    # machine
     sh(author, sys.executable, "-m", "pipelines.run", "--workers", "2")
     sh(author, *DVC, "remote", "add", "-d", "storage", str(remote))
     sh(author, *DVC, "push", "-q")
@@ -47,9 +49,10 @@ def test_push_clone_pull_gives_every_result_and_the_same_report(tmp_path):
     assert json.loads(status or "{}") == {}, status
     assert tree(clone, "runs") == tree(author, "runs")  # every cell's summary, evals, history, curves
     assert tree(clone, "models") == tree(author, "models")
-    assert (clone / "protocol/grammar.json").read_bytes() == (author / "protocol/grammar.json").read_bytes()  # git
+    for f in ("protocol/grammar.json", "protocol/grammar.plan.json"):  # in git
+        assert (clone / f).read_bytes() == (author / f).read_bytes()
     metrics = sh(clone, *DVC, "metrics", "show", "--json").stdout
-    assert "headline" in metrics and "Q1_estimate" in metrics  # reports/grammar/metrics.json, the only metrics
+    assert "headline" in metrics and "same_beta_estimate" in metrics  # reports/grammar/metrics.json, the only metrics
 
     # The report is re-derived from the pulled results alone: nothing upstream runs, the bytes are identical.
     out = sh(clone, *DVC, "repro", "--force", "--single-item", "grammar_analysis").stdout
@@ -67,6 +70,8 @@ def test_push_clone_pull_gives_every_result_and_the_same_report(tmp_path):
     )
     frozen = [json.loads((r / "reports/grammar/stats.json").read_text())["protocol"]["commit"] for r in (author, clone)]
     assert frozen == [None, head]
+    planned = [json.loads((r / "reports/grammar/stats.json").read_text())["plan"]["commit"] for r in (author, clone)]
+    assert planned == [None, head]
     assert json.loads(sh(clone, *DVC, "status", "--json").stdout or "{}") == {}
 
 
@@ -76,17 +81,20 @@ def lock_line(root: Path, start: str = LOCK) -> str:
 
 
 def without_lock(files: dict[str, bytes]) -> dict[str, bytes]:
-    """The files without what reads git history: report.md's lock and frozen-protocol lines, stats.json's
-    protocol commit."""
+    """The files without what reads git history: report.md's lock, frozen-protocol and plan lines, stats.json's
+    protocol and plan commits."""
     out = {}
     for name, data in files.items():
         if name.endswith("report.md"):
             data = b"\n".join(
-                line for line in data.split(b"\n") if not line.startswith((LOCK.encode(), FROZEN.encode()))
+                line
+                for line in data.split(b"\n")
+                if not line.startswith((LOCK.encode(), FROZEN.encode(), PLAN.encode()))
             )
         elif name.endswith("stats.json"):
             stats = json.loads(data)
             stats["protocol"].pop("commit")
+            stats["plan"].pop("commit")
             data = json.dumps(stats, sort_keys=True).encode()
         out[name] = data
     return out
