@@ -35,7 +35,7 @@ if subprocess.run(["unshare", "--mount", *(["--map-root-user"] if os.geteuid() e
     pytest.skip("no mount namespace here (unshare --mount)", allow_module_level=True)
 
 PY = sys.executable
-EVALUATION = ("grammar_baseline@", "grammar_design@")  # the 18 evaluation cells of the tiny grid
+EVALUATION = ("grammar_baseline@", "grammar_design@", "grammar_design_")  # the 28 evaluation cells of the tiny grid
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +137,15 @@ def test_the_second_node_cannot_read_the_repository_or_this_checkout(cluster, hi
 
 def test_a_run_through_the_cluster_is_bit_identical_to_the_local_pool(finished, cluster):
     ray, local, log = finished["ray"], finished["local"], finished["log"]
-    assert "Ray: each cell asks for 1 CPU and 0 GPU" in log and "3 upstream chains to build" in log, log
-    assert "7 of 7 calibration cells to run on Ray" in log and "18 of 18 grid cells to run on Ray" in log, log
+    assert "Ray: each cell asks for 1 CPU and 0 GPU" in log and "5 upstream chains to build" in log, log
+    assert "7 of 7 calibration cells to run on Ray" in log and "30 of 30 planning cells to run on Ray" in log, log
+    assert "28 of 28 grid cells to run on Ray" in log, log
     got, want = outs(ray), outs(local)
-    assert set(got) == set(want) == {*ALL_CELLS, *finished_upstream(), "grammar_calibrate", "grammar_analysis"}
+    tails = {"grammar_calibrate", "grammar_planning", "grammar_analysis"}
+    assert set(got) == set(want) == {*ALL_CELLS, *finished_upstream(), *tails}
     assert got == want  # every output of every stage: same bytes
-    for rel in ("protocol/grammar.json", "reports/grammar/report.md", "reports/grammar/stats.json"):
+    for rel in ("protocol/grammar.json", "protocol/grammar.plan.json", "reports/grammar/report.md",
+                "reports/grammar/stats.json"):  # fmt: skip
         assert (ray / rel).read_bytes() == (local / rel).read_bytes(), rel
     assert not status(ray)
     # MLflow: one FINISHED run per stage in the runner's store, logged there by the runner, cells from both nodes
@@ -156,7 +159,8 @@ def test_a_run_through_the_cluster_is_bit_identical_to_the_local_pool(finished, 
 
 
 def finished_upstream() -> set[str]:
-    return {f"grammar_{p}{k}@{i}" for k in ("data", "sft", "rm") for p, i in (("calibration_", 0), ("", 10), ("", 11))}
+    instances = (("calibration_", 0), ("plan_", 1), ("plan_", 2), ("", 10), ("", 11))
+    return {f"grammar_{p}{k}@{i}" for k in ("data", "sft", "rm") for p, i in instances}
 
 
 def test_ctrl_c_leaves_dvc_lock_valid_and_no_ray_task_running(finished, cluster, hidden):
@@ -245,7 +249,8 @@ def test_gpus_declared_on_the_nodes_are_placed_one_per_cell_or_1_over_n(gpu_clus
     assert len({r["node"] for r in records}) == 2
     for stage in cell_stages():  # each cell's files came back from its node
         kind, key = stage.split("@")
-        summary = json.loads((workdir / f"runs/grammar/{kind.removeprefix('grammar_')}/{key}/summary.json").read_text())
+        folder = "design" if kind.startswith("grammar_design") else kind.removeprefix("grammar_")  # any design group
+        summary = json.loads((workdir / f"runs/grammar/{folder}/{key}/summary.json").read_text())
         assert summary["stage"] == stage
 
 
