@@ -26,7 +26,7 @@ from rlhf import hf
 from rlhf.model import ScalarModel
 from rlhf.ppo import train_ppo
 from tests.conftest import merged, repo_params
-from tests.pipelines.tiny import ALL_CELLS, CAL_CELLS, TINY, make_repo, sh, visible_runs
+from tests.pipelines.tiny import ALL_CELLS, CAL_CELLS, PLAN_CELLS, TINY, make_repo, sh, visible_runs
 
 HF_LLAMA = {  # a from-config model: the `model` section of a task in params.yaml
     "backend": "hf",
@@ -164,8 +164,9 @@ def hf_repo(tmp_path_factory):
 def test_runner_with_the_hf_backend_leaves_dvc_clean_and_every_cell_in_mlflow(hf_repo):
 
     out = sh(hf_repo, sys.executable, "-m", "pipelines.run", "--workers", "2")
-    n_cal, n_eval = len(CAL_CELLS), len(ALL_CELLS - CAL_CELLS)
+    n_cal, n_plan, n_eval = len(CAL_CELLS), len(PLAN_CELLS), len(ALL_CELLS - CAL_CELLS - PLAN_CELLS)
     assert f"{n_cal} of {n_cal} calibration cells to run on 2 local workers" in out.stdout, out.stdout
+    assert f"{n_plan} of {n_plan} planning cells to run on 2 local workers" in out.stdout, out.stdout
     assert f"{n_eval} of {n_eval} grid cells to run on 2 local workers" in out.stdout, out.stdout
     status = sh(hf_repo, sys.executable, "-m", "dvc", "status", "--json").stdout
     assert json.loads(status or "{}") == {}, status

@@ -30,10 +30,14 @@ def real_lm_params() -> dict:
     model = read_yaml(REPO / "profiles" / "real-lm-cpu.yaml")["arithmetic"]["model"]  # the profile's model block
     tiny = {
         "pretrained": [NAME],
-        "grammar": {"instances": [], "calibration": {"instances": []}},
+        "grammar": {
+            "instances": [],
+            "allocation": {g: [] for g in TINY["grammar"]["allocation"]},
+            "calibration": {"instances": [], "plan_instances": []},
+        },
         "arithmetic": {
             "instances": [10, 11],
-            "calibration": {"instances": [0], "coefs": [0.03, 0.1, 0.3]},
+            "calibration": {"instances": [0], "plan_instances": [1, 2], "coefs": [0.03, 0.1, 0.3]},
             "task": {"n_digits": 2, "max_new_tokens": 4, "n_demos": 300, "n_train_prompts": 16, "n_eval_prompts": 8},
             "model": model,
             "sft": {"steps": 3, "batch_size": 8, "lr": 1.0e-4, "n_heldout": 50},
