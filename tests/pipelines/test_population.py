@@ -93,5 +93,5 @@ def test_the_pipeline_with_populations_is_clean_and_has_one_run_per_stage(tmp_pa
     runs = visible_runs(repo)
     assert set(runs) >= ALL_CELLS
     assert all(len(runs[s]) == 1 and runs[s][0].info.status == "FINISHED" for s in ALL_CELLS)
-    summary = json.loads((repo / "runs/grammar/design/10-loss_k3-coef-0/summary.json").read_text())
+    summary = json.loads((repo / "runs/grammar/design/10-loss_k3-act-0/summary.json").read_text())
     assert summary["arm"] == "loss_k3" and "final_gold" in summary
