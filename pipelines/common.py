@@ -71,6 +71,14 @@ def upstream_stage_args(argv: list[str] | None, stage: str):
     return params, args[0], tasks[args[0]], int(args[1])
 
 
+def upstream_stage_name(task: str, section, stage: str, instance: int) -> str:
+    """DVC's name of upstream stage ``stage`` of ``task``'s ``instance``: ``<task>_calibration_<stage>@<i>``,
+    ``<task>_plan_<stage>@<i>`` or ``<task>_<stage>@<i>`` (its MLflow run is found by it)."""
+    cal = section.calibration
+    chain = "calibration_" if instance in cal.instances else "plan_" if instance in cal.plan_instances else ""
+    return f"{task}_{chain}{stage}@{instance}"
+
+
 def setup() -> torch.device:
     """Deterministic torch with an explicit thread count (env RLHF_THREADS, default 1), on the pinned CPU code path;
     CUDA when present, with cuBLAS's deterministic workspace.

@@ -37,6 +37,7 @@ from pipelines.common import (
     set_precision,
     setup,
     upstream_stage_args,
+    upstream_stage_name,
     write_json,
 )
 from rlhf import reward_model as R
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     set_precision(section.model, sft)
     tags = {"task": task, "instance": instance, "kind": "rm"}
     config = {"rm": section.rm.model_dump()}
-    cal = "_calibration" if instance in section.calibration.instances else ""  # DVC's name: {task}_calibration_rm@0
-    stage = f"{task}{cal}_rm@{instance}"
+    stage = upstream_stage_name(task, section, "rm", instance)
     with tracking.stage_run(stage, params.mlflow.experiment, config, tags=tags) as (client, rid):
         rm, metrics, losses = fit(section, instance, learned, sft, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")

@@ -21,6 +21,7 @@ from pipelines.common import (
     set_precision,
     setup,
     upstream_stage_args,
+    upstream_stage_name,
     write_json,
 )
 from rlhf.model import TinyLM
@@ -59,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_checkpoint(data_path(task, instance))
     config = {"sft": section.sft.model_dump(), "model": section.model.model_dump()}
     tags = {"task": task, "instance": instance, "kind": "sft"}
-    cal = "_calibration" if instance in section.calibration.instances else ""  # DVC's name: {task}_calibration_sft@0
-    stage = f"{task}{cal}_sft@{instance}"
+    stage = upstream_stage_name(task, section, "sft", instance)
     with tracking.stage_run(stage, params.mlflow.experiment, config, tags=tags) as (client, rid):
         model, arch, metrics, losses = fit(section, instance, data, device)
         tracking.log_metrics(client, rid, [{"step": i, "train_loss": v} for i, v in enumerate(losses)], step_key="step")

@@ -72,8 +72,8 @@ def test_runner_then_dvc_is_clean_and_mlflow_has_one_run_per_stage(repo, ran):
     ]
     at = [out.stdout.index(w) for w in waves]
     assert at == sorted(at), out.stdout
-    for n in (n_cal, n_plan, n_eval):  # one line per finished cell
-        finished = [line for line in out.stdout.splitlines() if re.match(rf"\[\d+/{n}\] \S+: gold ", line)]
+    for n in (n_cal, n_plan, n_eval):  # one line per finished cell, numbered with its wave's tail stage
+        finished = [line for line in out.stdout.splitlines() if re.match(rf"\[\d+/{n + 1}\] \S+: gold ", line)]
         assert len(finished) == n, out.stdout
     stats = json.loads((repo / "reports/grammar/stats.json").read_text())
     assert stats["n_runs"] == n_eval and list(stats["primary"]) == comparison_names()
@@ -156,7 +156,7 @@ def test_adding_a_batch_runs_only_its_shared_cells_and_rerun_keeps_one_run(repo,
     n_eval = len(cell_stages())
     assert "0 of 7 calibration cells to run" in out and "0 of 30 planning cells to run" in out, out
     assert f"6 of {n_eval + 6} grid cells to run" in out, out
-    finished = {m[1] for m in re.finditer(r"^\[\d+/6\] (\S+): gold ", out, re.MULTILINE)}
+    finished = {m[1] for m in re.finditer(r"^\[\d+/7\] (\S+): gold ", out, re.MULTILINE)}  # 6 cells, the analysis
     shared = ("reward_k1-act", "reward_k1-control")
     assert finished == {
         f"grammar_{c}-0" for i in (12, 13) for c in (f"baseline@{i}", *(f"design@{i}-{e}" for e in shared))

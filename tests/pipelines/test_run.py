@@ -614,3 +614,14 @@ def test_an_upstream_stage_of_a_calibration_instance_runs_its_tasks_module(monke
     worker.upstream_stage(PARAMS, plan.Upstream("grammar_calibration_sft@0", ("grammar_calibration_rm@0",)))
     worker.upstream_stage(PARAMS, plan.Upstream("grammar_rm@10"))
     assert calls == [("sft", ["grammar", "0"]), ("rm", ["grammar", "10"])]
+
+
+def test_upstream_stages_name_their_mlflow_runs_as_dvc_names_them():
+    """sft and rm log their MLflow run under the stage's DVC name, a planning instance's too (it was logged as
+    grammar_sft@1, not grammar_plan_sft@1: the run could not be found by its stage)."""
+    from pipelines.common import upstream_stage_name
+
+    for stage in (s for chain in CHAINS for s in chain):
+        group, instance = stage.split("@")
+        kind = group.rsplit("_", 1)[1]
+        assert upstream_stage_name("grammar", PARAMS.grammar, kind, int(instance)) == stage
