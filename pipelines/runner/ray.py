@@ -47,20 +47,25 @@ def ray_resources(cluster_gpus: float, workers_per_gpu: int | None, threads: int
 
 def inputs(item) -> list[Path]:
     """The upstream outputs a cell or an upstream stage reads (its dvc.yaml deps other than code): the instance's
-    task.pt, sft.pt and rm.pt (a learned-reward task) for a cell, and protocol/<task>.json for a design cell; none
-    for a data stage, its task.pt for an SFT stage, and both for a reward model (tests/pipelines/test_remote.py
-    checks them against DVC's)."""
-    from pipelines.common import data_path, model_path
+    task.pt, sft.pt, rm.pt (a learned-reward task) and eval0.json for a cell, and protocol/<task>.json for a design
+    cell; none for a data stage, its task.pt for an SFT stage, both for a reward model, and task.pt, sft.pt and rm.pt
+    (a learned-reward task) for the iteration-0 evaluation (tests/pipelines/test_remote.py checks them against
+    DVC's)."""
+    from pipelines.common import data_path, eval0_path, model_path
+
+    def models(task: str, i: int) -> list[Path]:
+        rm = [model_path(task, i, "rm")] if TASKS[task].learned_reward else []
+        return [data_path(task, i), model_path(task, i, "sft"), *rm]
 
     if isinstance(item, Upstream):
         group, instance = item.stage.split("@")
         task, kind = group.rsplit("_", 1)
         task, i = task.removesuffix("_calibration"), int(instance)
-        return {"data": [], "sft": [data_path(task, i)], "rm": [data_path(task, i), model_path(task, i, "sft")]}[kind]
+        sft = [data_path(task, i), model_path(task, i, "sft")]
+        return {"data": [], "sft": sft[:1], "rm": sft, "eval0": models(task, i)}[kind]
     if not isinstance(item, Cell):
         raise TypeError(f"no Ray task for {item!r}")
-    found = [data_path(item.task, item.instance), model_path(item.task, item.instance, "sft")]
-    found += [model_path(item.task, item.instance, "rm")] if TASKS[item.task].learned_reward else []
+    found = [*models(item.task, item.instance), eval0_path(item.task, item.instance)]
     return found + ([protocol_path(item.task)] if item.kind == "design" else [])
 
 

@@ -114,9 +114,9 @@ def ppo_cell(params, cell: Cell) -> dict:
 def upstream_mains() -> dict:
     """{stage kind: its script's main}, for the upstream stages (dvc.yaml: `python -m pipelines.<kind>`). Imported
     here, in the worker, not by the runner: they load torch."""
-    from pipelines import data, rm, sft
+    from pipelines import data, eval0, rm, sft
 
-    return {"data": data.main, "sft": sft.main, "rm": rm.main}
+    return {"data": data.main, "sft": sft.main, "rm": rm.main, "eval0": eval0.main}
 
 
 def upstream_stage(params, up: Upstream) -> dict:
