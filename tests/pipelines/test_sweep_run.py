@@ -1,5 +1,5 @@
-"""One MLflow parent run per sweep: the stages a runner invocation runs nest under it; plain `dvc repro` stages log
-top-level runs."""
+"""One MLflow parent run per sweep: the stages a runner invocation runs nest under it, through one run per task;
+plain `dvc repro` stages nest under a top-level run of their task."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ def test_stages_of_a_sweep_nest_under_its_parent_run_and_plain_stages_do_not(wor
         nested = stage("grammar_sft@0")
     alone = stage("arithmetic_sft@0")  # as by plain `dvc repro`: no runner, no parent
     client = MlflowClient(tracking.tracking_uri())
-    assert client.get_run(nested).data.tags[tracking.PARENT_TAG] == parent
+    group = client.get_run(client.get_run(nested).data.tags[tracking.PARENT_TAG])  # the task's run, in the sweep
+    assert group.info.run_name == "grammar" and group.data.tags[tracking.PARENT_TAG] == parent
     assert client.get_run(nested).data.tags["task"] == "grammar"  # the task filter: tags.task = "grammar"
-    assert tracking.PARENT_TAG not in client.get_run(alone).data.tags
+    top = client.get_run(client.get_run(alone).data.tags[tracking.PARENT_TAG])  # a top-level run of the task
+    assert top.info.run_name == "arithmetic" and tracking.PARENT_TAG not in top.data.tags
     run = client.get_run(parent)
     assert run.info.status == "FINISHED" and run.data.tags["sweep"] == "runner"
     assert run.info.run_name.startswith("sweep ") and tracking.PARENT_ENV not in os.environ
