@@ -68,7 +68,7 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     out = sh(repo, sys.executable, "-m", "pipelines.exp", "run", "-n", "coef03", "-S", "grammar.coefs=[0.3]", "--",
              "--workers", "2")  # fmt: skip
     assert "0 of 7 calibration cells to run" in out.stdout and "8 of 26 grid cells to run" in out.stdout, out.stdout
-    finished = re.findall(r"^\[\d+/8\] (\S+): gold ", out.stdout, re.MULTILINE)
+    finished = re.findall(r"^\[\d+/9\] (\S+): gold ", out.stdout, re.MULTILINE)  # 8 cells, then the analysis
     assert sorted(finished) == sorted(f"grammar_fixed@{i}-{a}-0.3-0" for i in (10, 11) for a in TINY["grid"]["arms"])
     rows = exp_rows(repo)
     assert rows["coef03"]["params"]["grammar"]["coefs"] == [0.3]
