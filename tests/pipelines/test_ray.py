@@ -156,7 +156,8 @@ def test_a_run_through_the_cluster_is_bit_identical_to_the_local_pool(finished, 
 
 
 def finished_upstream() -> set[str]:
-    return {f"grammar_{p}{k}@{i}" for k in ("data", "sft", "rm", "eval0") for p, i in (("calibration_", 0), ("", 10), ("", 11))}
+    kinds, instances = ("data", "sft", "rm", "eval0"), (("calibration_", 0), ("", 10), ("", 11))
+    return {f"grammar_{p}{k}@{i}" for k in kinds for p, i in instances}
 
 
 def test_ctrl_c_leaves_dvc_lock_valid_and_no_ray_task_running(finished, cluster, hidden):
