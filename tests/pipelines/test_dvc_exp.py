@@ -71,7 +71,7 @@ def test_exp_run_by_the_runner_runs_only_the_new_cells_and_shows_beside_the_work
     new = f"{2 * n_arms} of {n_grid + 2 * n_arms} grid cells to run"  # every arm at 0.3 on instances 10 and 11
     assert "0 of 7 calibration cells to run" in out.stdout and "0 of 30 planning cells to run" in out.stdout
     assert new in out.stdout, out.stdout
-    finished = re.findall(rf"^\[\d+/{2 * n_arms}\] (\S+): gold ", out.stdout, re.MULTILINE)
+    finished = re.findall(rf"^\[\d+/{2 * n_arms + 1}\] (\S+): gold ", out.stdout, re.MULTILINE)  # cells + analysis
     assert sorted(finished) == sorted(f"grammar_fixed@{i}-{a}-0.3-0" for i in (10, 11) for a in TINY["grid"]["arms"])
     rows = exp_rows(repo)
     assert rows["coef03"]["params"]["grammar"]["coefs"] == [0.3]

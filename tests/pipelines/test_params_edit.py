@@ -35,7 +35,9 @@ def test_a_ppo_param_changed_while_the_runner_runs_leaves_the_changed_cells_stal
         stderr=err.open("w"),
         start_new_session=True,
     )
-    wait_while_running(proc, tmp_path, lambda: "[2/18]" in out.read_text())  # the evaluation wave (18 cells)
+    # the evaluation wave (18 cells, then the analysis: "[k/19]"), once its second cell has finished
+    wave = lambda: out.read_text().partition("grid cells to run")[2]
+    wait_while_running(proc, tmp_path, lambda: "[2/" in wave())
     params = yaml.safe_load((repo / "params.yaml").read_text())
     old_lr = params["grammar"]["ppo"]["lr"]
     params["grammar"]["ppo"]["lr"] = old_lr * 1.5

@@ -159,8 +159,9 @@ def test_a_run_through_the_cluster_is_bit_identical_to_the_local_pool(finished, 
 
 
 def finished_upstream() -> set[str]:
+    kinds = ("data", "sft", "rm", "eval0")
     instances = (("calibration_", 0), ("plan_", 1), ("plan_", 2), ("", 10), ("", 11))
-    return {f"grammar_{p}{k}@{i}" for k in ("data", "sft", "rm") for p, i in instances}
+    return {f"grammar_{p}{k}@{i}" for k in kinds for p, i in instances}
 
 
 def test_ctrl_c_leaves_dvc_lock_valid_and_no_ray_task_running(finished, cluster, hidden):
