@@ -127,7 +127,8 @@ def test_a_job_runs_by_value_in_a_scratch_folder_and_its_files_and_mlflow_runs_c
     assert Path(root).parent == tmp_path and Path(root).name.startswith("kl-placement-ray-")
     assert left == [Path(root).name]  # the killed worker's folder is gone, this one's is there until its exit
     assert done["error"] is None and done["summary"]["final_gold"] == 0.0
-    assert done["summary"][worker.RAN_WITH] == (tmp_path / "params.yaml").read_text()
+    ran_with = {"params": (tmp_path / "params.yaml").read_text(), "files": {}}  # no protocol file read
+    assert done["summary"][worker.RAN_WITH] == ran_with
     # the input was there, the output comes back, the input does not
     assert done["outputs"] == {"runs/grammar/baseline/100-0/summary.json": b'{"read": "instance data"}'}
     assert "runs" not in in_root and "mlflow.db" in in_root  # the failed stage left no output
