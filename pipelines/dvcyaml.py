@@ -51,7 +51,7 @@ stages:
 """
 
 # the modules of pipelines.common's import closure, which every stage of an instance's chain (data, sft, rm, eval0)
-# imports, besides its own script
+# and the conversion of a packaged model import, besides their own script
 CHAIN_DEPS = """\
       - rlhf
       - ablations/__init__.py
@@ -374,24 +374,21 @@ PLOTS = """\
 # Not per task: each packaged model of params.yaml `pretrained` (empty by default: no stage), converted once. No SFT
 # stage depends on it in DVC's graph (a stage's deps cannot depend on params: every task's SFT would depend on it
 # always), so the runner converts before the upstream chains, and build_lm refuses to start without it.
-PRETRAINED = """\
+PRETRAINED = (
+    """\
   pretrained:           # each packaged model of `pretrained`, converted once (pipelines/pretrained.py)
     matrix:
       name: ${pretrained}
     cmd: python -m pipelines.pretrained ${item.name}
     deps:
-      - rlhf
-      - ablations/__init__.py
-      - ablations/experiment.py
-      - ablations/section.py
-      - ablations/tasks.py
-      - pipelines/__init__.py
-      - pipelines/cpu.py
-      - pipelines/common.py
+"""
+    + CHAIN_DEPS
+    + """\
       - pipelines/pretrained.py
     outs:
       - models/pretrained/${item.name}
 """
+)
 
 
 def design_stages(kind: str, groups: list[str]) -> str:
