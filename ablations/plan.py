@@ -21,8 +21,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from ablations import signtest as ST
 from ablations import simulate as S
-from ablations.comparisons import Comparison, primary_comparisons, table
+from ablations.comparisons import Comparison, comparisons, primary_comparisons, table
 from ablations.config import AnalysisParams
 
 
@@ -70,9 +71,31 @@ def plan_comparison(t: pd.DataFrame, meta: dict, proto: AnalysisParams, n_compar
     }
 
 
+def check(t: pd.DataFrame, meta: dict, alpha: float) -> dict:
+    """One sanity check of the contract (``analysis.checks``) on the planning instances: the median difference,
+    its exact sign-test CI at 1 - ``alpha`` (signtest.median_ci, valid under skew) and two-sided p (signtest.sign_p,
+    H0: median 0), and whether the CI lies beyond the margin, inside it, or neither. Descriptive: no error budget,
+    no sequential looks, never part of a headline."""
+    d = t.d.to_numpy(float)
+    margin = meta["margin"]
+    lo, hi = ST.median_ci(d, 1 - alpha)  # infinite where n is too small for the level
+    where = (
+        "beyond the margin"
+        if lo > margin or hi < -margin
+        else "inside the margin"
+        if -margin < lo and hi < margin
+        else "neither"
+    )
+    return {
+        "n": len(d), "median": float(np.median(d)), "lo": float(lo), "hi": float(hi), "level": 1 - alpha,
+        "p_sign": float(ST.sign_p(d)), "margin": margin, "ci": where,
+    }  # fmt: skip
+
+
 def plan(runs: pd.DataFrame, evals: pd.DataFrame, task: str, proto: AnalysisParams, protocol: dict) -> dict:
     """Every primary comparison's plan (``runs``/``evals``: the task's planning runs). Returns a JSON-able dict:
-    ``comparisons`` name -> plan_comparison(), and the rule's constants."""
+    ``comparisons`` name -> plan_comparison(), ``checks`` name -> check() (``analysis.checks``, descriptive), and
+    the rule's constants."""
     tp = proto.tasks[task]
     comps: list[Comparison] = primary_comparisons(proto, len(protocol["levels"]))
     out = {}
@@ -81,6 +104,10 @@ def plan(runs: pd.DataFrame, evals: pd.DataFrame, task: str, proto: AnalysisPara
         if len(t) < 2:
             raise ValueError(f"task {task}: comparison {c.name} has {len(t)} planning instance(s); it needs 2 or more")
         out[c.name] = plan_comparison(t, meta, proto, len(comps), seed=k)
+    checks = {}
+    for c in comparisons(proto.checks, len(protocol["levels"])):
+        t, meta = table(runs, evals, c, protocol, proto.reference_arm, tp.kl_tolerance)
+        checks[c.name] = check(t, meta, proto.alpha)
     s = proto.sequential
     return {
         "task": task,
@@ -97,4 +124,5 @@ def plan(runs: pd.DataFrame, evals: pd.DataFrame, task: str, proto: AnalysisPara
             "simulations": s.simulations,
         },
         "comparisons": out,
+        "checks": checks,
     }

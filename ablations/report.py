@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ablations import tables as T
+from ablations.config import AnalysisParams
 from ablations.diagnostics import METRICS
 from ablations.results import Results, TaskResults
 
@@ -132,7 +133,7 @@ def budget_lines(tr: TaskResults) -> list[str]:
     ]
 
 
-def plan_lines(tr: TaskResults) -> list[str]:
+def plan_lines(tr: TaskResults, proto: AnalysisParams) -> list[str]:
     """The sample-size plan: per comparison its planning noise, cap and power at the cap."""
     pl = tr.protocol.get("plan") or {}
     fr = tr.protocol.get("plan_frozen", {})
@@ -154,6 +155,29 @@ def plan_lines(tr: TaskResults) -> list[str]:
         f"({rule['simulations']} trials): its cap is the fewest instances (batches of {rule['batch_size']}, at most "
         f"{rule['max_cap']}) with power ≥ {rule['power']:g} to settle a {rule['effect_margins']:g}-margin "
         "difference of either sign.",
+        "",
+        T.md(rows),
+        *check_lines(pl.get("checks") or {}, proto.checks),
+    ]
+
+
+def check_lines(checks: dict, specs: dict) -> list[str]:
+    """The contract's sanity checks (``analysis.checks``) on the planning instances: descriptive, no error budget."""
+    if not checks:
+        return []
+    rows = [
+        {"check": k, "comparison": f"{specs[k].arm} − {specs[k].other}" if k in specs else "?",
+         "metric": specs[k].metric if k in specs else "?", "n": v["n"], "median Δ": _f(v["median"], sign=True),
+         f"exact CI ({v['level']:.0%})": f"[{_f(v['lo'], sign=True)}, {_f(v['hi'], sign=True)}]",
+         "sign p": _f(v["p_sign"]), "margin": f"±{_f(v['margin'])}", "CI": v["ci"]}
+        for k, v in checks.items()
+    ]  # fmt: skip
+    return [
+        "",
+        "**Contract checks** (`analysis.checks`, on the planning instances; descriptive: no error budget, not part "
+        "of the headline). `k1_in_loss`: k1 in the loss has zero expected gradient (rlhf/kl.py CONTRACT), so it "
+        "should restrain the policy no more than no penalty does; its log final KL minus k1-in-the-reward's is "
+        "expected above zero.",
         "",
         T.md(rows),
     ]
@@ -263,7 +287,7 @@ def render_task(tr: TaskResults, res: Results, images: dict[str, str]) -> str:
         "",
         *budget_lines(tr),
         "",
-        *plan_lines(tr),
+        *plan_lines(tr, p),
         "",
         "## Exploratory families (not confirmatory: Holm within each family only)",
         "",

@@ -171,8 +171,10 @@ def plan(task: str = "grammar", cap: int | dict = CAP, questions: dict | None = 
     rule = dict(test="sign test of the median", alpha=_P["analysis"]["alpha"], comparisons=len(names),
                 alpha_per_comparison=_P["analysis"]["alpha"] / len(names), batch_size=4, max_cap=max(caps.values()),
                 power=s["power"], effect_margins=s["effect"], simulations=s["simulations"])  # fmt: skip
+    checks = {c: dict(n=8, median=1.2, lo=0.9, hi=1.6, level=0.95, p_sign=0.0078, margin=0.4, ci="beyond the margin")
+              for c in _P["analysis"]["checks"]}  # fmt: skip
     return {"task": task, "plan_instances": list(_P[task]["calibration"]["plan_instances"]), "rule": rule,
-            "comparisons": comp}  # fmt: skip
+            "comparisons": comp, "checks": checks}  # fmt: skip
 
 
 def calibrated(task: str = "grammar", plan_: dict | None = None, **overrides) -> dict:

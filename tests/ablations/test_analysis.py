@@ -210,6 +210,8 @@ def test_outputs_and_report(tmp_path):
     assert "**Protocol v4 (frozen).** `protocol/grammar.json`" in report and "Protocol lock." in report
     assert "calibration instances 0, 1, 2 only" in report and "gold margin ±0.03" in report
     assert "**Sample-size plan** (`protocol/grammar.plan.json`" in report
+    assert "**Contract checks**" in report and "| k1_in_loss | loss_k1 − reward_k1 | log_kl " in report
+    assert "[+0.900, +1.600]" in report and "beyond the margin" in report
     assert "## Primary comparisons" in report and "## Exploratory families" in report
     assert "Family-wise error of every primary claim of this task ≤ α = 0.05" in report and "α/9 = 0.00556" in report
     assert "Outcomes, in order of precedence" in report  # the precedence is stated in every report

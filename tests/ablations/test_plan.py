@@ -5,12 +5,14 @@ Carlo is tested in test_simulate.py)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from ablations import plan as PL
-from ablations.comparisons import primary_comparisons, table
+from ablations.comparisons import comparisons, primary_comparisons, table
 from ablations.load import load_runs
 
 from . import synthetic as syn
@@ -79,3 +81,24 @@ def test_a_comparison_with_fewer_than_two_planning_instances_is_refused(tmp_path
     runs, evals = load_runs(syn.write_plan_runs(tmp_path, instances=[3]), tmp_path)
     with pytest.raises(ValueError, match=r"comparison same_beta has 1 planning instance\(s\); it needs 2 or more"):
         PL.plan(runs, evals, "grammar", PROTO, CAL)
+
+
+def test_the_contract_checks_are_reported_on_the_planning_instances(tmp_path):
+    """analysis.checks (k1 in the loss vs in the reward, log KL) gets the median of its planning differences and the
+    exact sign-test CI: at 8 instances and 95% the order-statistic interval is the range (rank 1: P(Bin(8, 1/2) = 0)
+    = 1/256 <= 0.025 < 9/256), and the two-sided sign p is 2 P(Bin(8, 1/2) <= min(#pos, #neg)). No cap: checks
+    have no error budget and never enter the rule's comparison count."""
+    runs, evals = planning(tmp_path, noise=0.05)
+    out = PL.plan(runs, evals, "grammar", PROTO, CAL)
+    assert list(out["checks"]) == list(PROTO.checks) == ["k1_in_loss"]
+    assert out["rule"]["comparisons"] == len(out["comparisons"])  # checks are not counted
+    (c,) = comparisons(PROTO.checks, 3)
+    t, meta = table(runs, evals, c, CAL, PROTO.reference_arm, PROTO.tasks["grammar"].kl_tolerance)
+    got, d = out["checks"]["k1_in_loss"], t.d.to_numpy(float)
+    assert got["n"] == 8 and got["median"] == pytest.approx(np.median(d))
+    assert (got["lo"], got["hi"]) == (d.min(), d.max()) and got["level"] == pytest.approx(0.95)
+    k = min((d > 0).sum(), (d < 0).sum())
+    assert got["p_sign"] == pytest.approx(min(1.0, 2 * sum(math.comb(8, i) for i in range(k + 1)) / 256))
+    margin = meta["margin"]
+    inside, beyond = -margin < d.min() and d.max() < margin, d.min() > margin or d.max() < -margin
+    assert got["ci"] == ("beyond the margin" if beyond else "inside the margin" if inside else "neither")
