@@ -100,5 +100,5 @@ def test_the_stage_declares_exactly_the_values_the_evaluation_reads_and_every_ce
         params = stages[f"{task}_eval0"]["params"]
         assert {p for p in params if p.startswith(f"{task}.ppo.")} == {f"{task}.ppo.{k}" for k in eval0.READS}
         assert stages[f"{task}_eval0"]["outs"] == ["models/<task>/${item.instance}/eval0.json".replace("<task>", task)]
-        cells = [s for s, e in stages.items() if s.startswith(task) and "pipelines.ppo" in e["cmd"]]
+        cells = [s for s, e in stages.items() if s.startswith(f"{task}_") and "pipelines.ppo" in e["cmd"]]
         assert cells and all(f"models/{task}/${{item.instance}}/eval0.json" in stages[s]["deps"] for s in cells)
