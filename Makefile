@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make repro` (run everything) and `make test`. Both install first.
+# Two commands on a fresh machine: `make repro` (run everything) and `make test`. Both install first; repro first
+# restores the recorded outputs from dvc-remote/ (pipelines/store.py), the DVC remote committed with the repository.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -28,6 +29,7 @@ check-params: install        ## validate params.yaml without running anything
 	$(PY) -m ablations.config
 
 repro: install $(if $(filter real-lm%,$(PROFILE)),install-real)  ## data -> sft -> rm -> every stale grid cell on all cores (GPUs) -> analysis; PROFILE=full, RUN_ARGS="--gpus 0,1"
+	-$(PY) -m pipelines.store pull
 ifdef PROFILE
 	$(PY) -m pipelines.profile $(PROFILE)
 	$(PY) -m pipelines.run $(RUN_ARGS)
@@ -37,9 +39,11 @@ else
 endif
 
 calibrate: install          ## only the calibration: its cells, then protocol/<task>.json (commit it before the evaluation)
+	-$(PY) -m pipelines.store pull
 	$(PY) -m pipelines.run --calibration-only $(RUN_ARGS)
 
 settle: install             ## repro, then add evaluation instances a batch at a time until every primary question is settled or capped
+	-$(PY) -m pipelines.store pull
 	$(PY) -m pipelines.settle -- $(RUN_ARGS)
 	$(PY) -m pipelines.readme
 

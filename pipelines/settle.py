@@ -12,8 +12,10 @@ instances than its planned cap, protocol/<task>.plan.json) appends the next batc
 ``<task>.allocation.<group>`` of every design group an open comparison reads: a settled or capped comparison's own
 cells stop (per-question allocation). The batches continue the pre-registered sequence (the next consecutive seeds
 after the last one), and the looks are taken in that order, so the decision at each look depends only on the
-instances before it (ablations/rule.py). Interrupted, it leaves params.yaml valid (replaced whole) and every
-finished cell recorded; running it again picks up where it stopped.
+instances before it (ablations/rule.py). After each round every recorded output is pushed to dvc-remote/, the DVC
+remote committed with the repository (pipelines/store.py): commit it with params.yaml and dvc.lock, and a fresh
+clone's `make settle` restores the finished looks instead of computing them again. Interrupted, it leaves
+params.yaml valid (replaced whole) and every finished cell recorded; running it again picks up where it stopped.
 Killed, even by SIGKILL, it takes its runner with it (the runner gets SIGTERM: finished cells recorded). With
 ``-- --no-analysis`` it runs the cells once and adds no batch: without reports there is nothing to decide on.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from ablations.comparisons import primary_comparisons
 from ablations.config import PARAMS_FILE, SHARED, ParamsError, load_params
+from pipelines import store
 from pipelines.profile import edit
 
 REPORTS = Path("reports")
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = subprocess.call([*RUNNER, *args.runner], preexec_fn=_die_with_settle(os.getpid()))
         if rc:
             return rc
+        store.sync("push")  # this look's outputs into dvc-remote/, to commit with dvc.lock (a fresh clone pulls them)
         try:
             params = load_params()
         except ParamsError as e:

@@ -35,7 +35,7 @@ def test_a_ppo_param_changed_while_the_runner_runs_leaves_the_changed_cells_stal
         stderr=err.open("w"),
         start_new_session=True,
     )
-    # the evaluation wave (18 cells, then the analysis: "[k/19]"), once its second cell has finished
+    # the evaluation wave (its cells, then the analysis: "[k/N]"), once its second cell has finished
     wave = lambda: out.read_text().partition("grid cells to run")[2]
     wait_while_running(proc, tmp_path, lambda: "[2/" in wave())
     params = yaml.safe_load((repo / "params.yaml").read_text())

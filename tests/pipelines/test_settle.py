@@ -35,6 +35,14 @@ def repo(params_copy) -> Path:
     return params_copy
 
 
+@pytest.fixture(autouse=True)
+def pushes(monkeypatch) -> list[str]:
+    """What settle asked of the travelling DVC remote (pipelines/store.py), in order; nothing reaches DVC."""
+    calls: list[str] = []
+    monkeypatch.setattr(settle.store, "sync", lambda command: calls.append(command) or 0)
+    return calls
+
+
 def write_stats(root: Path, task: str, statuses: dict[str, str]) -> None:
     primary = {q: {"verdict": "inconclusive" if s != "settled" else "material difference", "status": s, "n": 4}
                for q, s in statuses.items()}  # fmt: skip
@@ -144,11 +152,12 @@ class FakeRunner:
         return self.rc
 
 
-def test_settle_adds_batches_to_the_open_groups_until_settled(repo, monkeypatch, capsys):
+def test_settle_adds_batches_to_the_open_groups_until_settled(repo, monkeypatch, capsys, pushes):
     fake = FakeRunner({"grammar": 12, "arithmetic": 4})
     monkeypatch.setattr(settle.subprocess, "call", fake)
     assert settle.main(["--", "--workers", "2"]) == 0
     assert [args for args, _ in fake.calls] == [["--workers", "2"]] * 3  # the runner's arguments passed on
+    assert pushes == ["push"] * 3  # each look's outputs to dvc-remote/, before its batch is decided
     assert [seen["grammar"][0][-1] for _, seen in fake.calls] == [127, 131, 135]  # a batch of 4 before each rerun
     assert all(seen["arithmetic"][0] == FIRST for _, seen in fake.calls)  # settled: never extended
     p = load_params()
@@ -177,12 +186,13 @@ def test_settle_stops_after_the_given_number_of_batches(repo, monkeypatch, capsy
     )
 
 
-def test_a_failing_run_stops_settle_with_its_exit_status_and_adds_nothing(repo, monkeypatch):
+def test_a_failing_run_stops_settle_with_its_exit_status_and_adds_nothing(repo, monkeypatch, pushes):
     text = (repo / "params.yaml").read_text()
     fake = FakeRunner({"grammar": 100, "arithmetic": 100}, rc=3)
     monkeypatch.setattr(settle.subprocess, "call", fake)
     assert settle.main([]) == 3
     assert len(fake.calls) == 1 and (repo / "params.yaml").read_text() == text
+    assert pushes == []  # a failed run's stages were not recorded: nothing new to push
 
 
 def test_settle_stops_in_one_line_when_the_next_batch_is_refused(repo, monkeypatch, capsys):

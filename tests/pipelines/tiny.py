@@ -184,6 +184,6 @@ def make_repo(repo: Path, params: dict) -> Path:
     write_params(repo, params)
     drop_idle_tasks(repo, params)
     sh(repo, "git", "init", "-q")
-    sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")
-    sh(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    sh(repo, sys.executable, "-m", "dvc", "init", "-q", "--force")  # empties .dvc/config: this checkout's again
+    copy_code(repo, (), names=(".dvc/config",))  # analytics off, the travelling remote dvc-remote/ the default
     return repo
