@@ -132,7 +132,9 @@ def test_dvc_plots_show_draws_three_plots_per_task_from_the_views(views, tmp_pat
         subprocess.run(cmd, cwd=tmp_path, check=True, env=env)
     shutil.copytree(REPO / ".dvc" / "plots", tmp_path / ".dvc" / "plots")
     shutil.copytree(out, tmp_path / "reports" / "grammar")
-    plots = [p for p in yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"] if next(iter(p)).startswith("grammar")]
+    plots = [
+        p for p in yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"] if next(iter(p)).startswith("grammar_")
+    ]
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}))
     shown = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True).stdout  # fmt: skip

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ablations.config import ParamsError, load_params, read_yaml
 from ablations.tasks import TASKS
@@ -166,7 +167,9 @@ def test_a_profile_keeps_params_yaml_layout(repo):
     apply("variants", repo / "params.yaml", repo / "profiles")
     lines = (repo / "params.yaml").read_text().splitlines()
     inst = [line for line in lines if line.lstrip().startswith("instances: [100,")]
-    assert len(inst) == len(TASKS) and all(line.index("# EVALUATION") < 60 for line in inst), inst
+    profiled = yaml.safe_load((ROOT / "profiles" / "variants.yaml").read_text())
+    assert len(inst) == sum("instances" in (profiled.get(t) or {}) for t in TASKS), inst  # the tasks it sets
+    assert inst and all(line.index("# EVALUATION") < 60 for line in inst), inst
     assert "    loss_k3_is: {target: reference, placement: loss, estimator: k3, is_weight: true}" in lines
     assert "      at: [20, 40]" in lines and "  coefs: [0.1]  # exploratory fixed cells" in "\n".join(lines)
     assert not any(line.strip() == "- 100" for line in lines)
