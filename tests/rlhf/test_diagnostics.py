@@ -188,7 +188,11 @@ def test_token_mean_and_sequence_sum_give_different_estimates(ppo_setup):
         rows[agg] = rows_by_regime(run_diagnostics(ppo_setup, kl, iterations=1, diagnostics=diag(n_minibatches=4)))
     tm, ss = rows["token-mean"]["on_policy"], rows["seq-mean-token-sum"]["on_policy"]
     assert ss["strength"] == 1.0 and tm["strength"] < 1.0
-    assert tm["cosine_minibatch"] != pytest.approx(ss["cosine_minibatch"], rel=1e-9)
+    # over the whole batch the ratio estimator (sum over tokens / number of tokens) differs from the per-sequence sum
+    assert abs(tm["cosine"] - ss["cosine"]) > 1e-3 and abs(tm["rel_bias"] - ss["rel_bias"]) > 1e-3
+    # within one minibatch both weigh every token alike (1 / its tokens, 1 / its sequences): the same direction, so
+    # the same one-step cosine up to rounding (an inequality here only measured rounding, by machine and threads)
+    assert tm["cosine_minibatch"] == pytest.approx(ss["cosine_minibatch"], rel=1e-6)
     assert 0.0 < tm["cosine_noise_floor"] <= 1.0
 
 
