@@ -1,5 +1,5 @@
 """The experiment is meaningful: on the default settings, PPO without KL over-optimises the proxy, and not by
-going silent: gold rises, then falls through the proxy's blind spot while the proxy keeps rising, and the mean
+going silent: gold rises, then falls through the proxy's blind spot while the proxy holds its plateau, and the mean
 response length never falls more than LENGTH_BOUND tokens below the SFT policy's (issue 7).
 
 Slow (a few minutes on one thread): run with `make test-all`.
@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 SEEDS = (0, 1, 2)
 RISE = 0.3  # gold units: the early gain of every seed (the SFT policy scores 0.24 on the held-out prompts)
 CLEAR_DROP = 0.1  # gold units; the held-out gold mean of one evaluation has an SD of about 0.01-0.02
+# proxy units: about 3 SD of the difference of two evaluations on the proxy's plateau (one evaluation's SD there is
+# 0.010-0.015 on seeds 0-2). The proxy saturates near 1.7 by iteration ~25; gold then falls by 0.4-0.8.
+PROXY_NOISE = 0.05
 LENGTH_BOUND = 0.5  # tokens: no evaluation's mean length may be further below the SFT policy's (iteration 0)
 EMPTY_BOUND = 0.05  # share of empty responses (EOS first) any evaluation may add to the SFT policy's
 
@@ -52,12 +55,12 @@ def peak(evals: list[dict]) -> int:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_without_kl_gold_peaks_then_falls_while_proxy_keeps_rising(runs, seed):
+def test_without_kl_gold_peaks_then_falls_while_the_proxy_holds(runs, seed):
     evals = runs[seed]["none"]
     top = evals[peak(evals)]
     assert top["gold"] > evals[0]["gold"] + RISE  # optimisation first helps
     assert evals[-1]["gold"] < top["gold"] - CLEAR_DROP  # then hurts
-    assert evals[-1]["proxy"] > top["proxy"]  # while the proxy is still climbing
+    assert evals[-1]["proxy"] > top["proxy"] - PROXY_NOISE  # while the proxy holds (Gao et al. 2022)
     assert evals[-1]["proxy"] > evals[0]["proxy"] + 1.0  # (by the end far above the SFT policy's)
     assert evals[-1]["illegal"] > 3 * evals[0]["illegal"]  # through the proxy's blind spot
 
@@ -74,10 +77,14 @@ def test_gold_is_not_bought_by_going_silent(runs, seed, arm):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_strong_reference_kl_keeps_kl_small_and_holds_gold(runs, seed):
-    """No sustained fall with KL in the reward at 0.3: the last third of the run stays near its best. (One
-    evaluation moves by about +-0.04 from the next, so the tail mean is compared, not the last point.)"""
+    """No sustained fall with KL in the reward at 0.3: the last third of the run stays near its best. One evaluation
+    moves by about +-0.04 from the next, so like is compared with like: the tail's mean against the best mean of any
+    window of as many consecutive evaluations (the best single evaluation is biased up by the noise of 31 draws)."""
     strong, none = runs[seed]["strong"], runs[seed]["none"]
+    gold = [e["gold"] for e in strong]
     tail = [e["gold"] for e in strong if e["iteration"] >= 2 * strong[-1]["iteration"] / 3]
+    k = len(tail)
+    best_window = max(sum(gold[i : i + k]) / k for i in range(len(gold) - k + 1))
     assert strong[-1]["kl"] < 0.25 * none[-1]["kl"]
-    assert sum(tail) / len(tail) > max(e["gold"] for e in strong) - CLEAR_DROP
+    assert sum(tail) / k > best_window - CLEAR_DROP
     assert strong[-1]["gold"] > strong[0]["gold"] + RISE
