@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines import store
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO as ROOT
 
 
 def test_the_default_dvc_remote_is_the_folder_committed_with_the_repository():
