@@ -19,7 +19,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-DVC = [sys.executable, "-m", "dvc"]
+from pipelines.runner.dvccli import DVC  # DVC as the runner calls it: waits for DVC's repository lock, writes atomically
+
 COMMANDS = {
     "pull": ["pull", "--allow-missing", "--quiet"],  # a missing object is computed by the runner, not an error
     "push": ["push", "--quiet"],
@@ -27,9 +28,11 @@ COMMANDS = {
 
 
 def sync(command: str) -> int:
-    """Runs ``dvc pull`` or ``dvc push`` as COMMANDS says; 0 on success. A failure costs time, never a result: a pull
-    that fails (an output the user changed, a remote not there) leaves the runner to compute what is missing, a push
-    that fails leaves the outputs in the local cache (push again); so it is one warning line and exit status 1."""
+    """Runs ``dvc pull`` or ``dvc push`` as COMMANDS says, through the runner's DVC command line (a `dvc repro` or a
+    runner recording beside it holds DVC's lock: this waits its turn instead of failing after 3 s); 0 on success.
+    A failure costs time, never a result: a pull that fails (an output the user changed, a remote not there) leaves
+    the runner to compute what is missing, a push that fails leaves the outputs in the local cache (push again); so
+    it is one warning line and exit status 1."""
     rc = subprocess.call([*DVC, *COMMANDS[command]])
     if rc:
         what = "the runner computes what was not restored" if command == "pull" else "run it again before committing"

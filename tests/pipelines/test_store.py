@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines import store
+from pipelines.runner import dvccli
 from tests.helpers import REPO as ROOT
 
 
@@ -24,7 +25,9 @@ def test_pull_tolerates_missing_objects_and_push_is_plain(monkeypatch):
     calls = []
     monkeypatch.setattr(store.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
     assert store.main(["pull"]) == 0 and store.main(["push"]) == 0
-    assert [c[c.index("dvc") + 1 :] for c in calls] == [["pull", "--allow-missing", "--quiet"], ["push", "--quiet"]]
+    assert [c[len(dvccli.DVC) :] for c in calls] == [["pull", "--allow-missing", "--quiet"], ["push", "--quiet"]]
+    # the runner's DVC: it waits for DVC's repository lock (a `dvc repro` beside it) instead of failing after 3 s
+    assert all(c[: len(dvccli.DVC)] == dvccli.DVC for c in calls) and "--wait-for-lock" in dvccli.DVC
 
 
 def test_a_failed_sync_is_one_warning_line_and_exit_status_1(monkeypatch, capsys):
