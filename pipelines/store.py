@@ -19,7 +19,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pipelines.runner.dvccli import DVC  # DVC as the runner calls it: waits for DVC's repository lock, writes atomically
+# DVC as the runner calls it: waits for DVC's repository lock, writes dvc.lock atomically
+from pipelines.runner.dvccli import DVC
 
 COMMANDS = {
     "pull": ["pull", "--allow-missing", "--quiet"],  # a missing object is computed by the runner, not an error
