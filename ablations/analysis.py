@@ -168,8 +168,9 @@ def amendments(lock: LockStatus | None, tr: TaskResults) -> list[dict]:
     now. Empty without a lock or amendments."""
     if lock is None or not lock.available or not lock.amendments or not lock.before:
         return []
-    extract = lambda doc: {q: r.get("verdict") for q, r in (doc.get("primary") or {}).items()}
-    now = {r["question"]: r["verdict"] for r in tr.primary}
+    said = lambda r: f"{r.get('verdict')} ({r['status']})" if r.get("status") else r.get("verdict")
+    extract = lambda doc: {q: said(r) for q, r in (doc.get("primary") or {}).items()}
+    now = {r["comparison"]: said(r) for r in tr.primary}  # stats.json keys its rows by comparison
     return [
         {"commit": r.commit, "date": r.date, "keys": ", ".join(r.keys), "question": r.question, "before": r.before,
          "now": now.get(r.question) if r.question else None}

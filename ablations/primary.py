@@ -14,6 +14,13 @@ beyond its margin in its calibrated direction (else "inert": placement is not te
 at a level where an arm hits the level in fewer than ``min_hit_rate`` of its runs is "not steerable" there (not
 compared). Each comparison runs to its own cap (the sample-size plan, protocol/<task>.plan.json).
 
+Amendment 1 (made at look 9, after results; ablations/lock.py lists it with the verdicts before and after): a
+comparison that is not steerable at its last look, and cannot become steerable at any look up to its cap, is closed
+(status ``CLOSED``) instead of open, so `make settle` stops its cells. A look's hit rate can rise by at most the runs
+still to come, all hits; the best case is the cap (``steerable_in_reach``). The verdict is the one the frozen rule
+would give at every look to the cap ("not steerable"): the amendment saves cells, it changes no verdict and spends
+no alpha (steerability is not a test).
+
 Error control. K comparisons (levels expanded) share alpha: alpha/K each (Bonferroni), spent over the reachable
 looks by a union bound (rule.Schedule). Within a comparison at most one of its nulls is true (no difference, not
 material, not equivalent), so the probability that any claim of any comparison of a task is wrong is at most
@@ -40,6 +47,7 @@ from ablations.config import AnalysisParams
 
 MATTERS, NO_MATTER, NOT_SETTLED = "matters", "does not matter", "not settled"
 NOT_STEERABLE = "not steerable"
+CLOSED = "closed: not steerable by its cap"  # amendment 1: no look up to the cap can be steerable
 
 
 def schedule(proto: AnalysisParams, n_comparisons: int, cap: int) -> R.Schedule:
@@ -113,6 +121,18 @@ def steerable(t: pd.DataFrame, n: int, min_hit_rate: float) -> bool:
     return bool(head.hit_arm.mean() >= min_hit_rate and head.hit_other.mean() >= min_hit_rate)
 
 
+def steerable_in_reach(t: pd.DataFrame, n: int, cap: int, min_hit_rate: float) -> bool:
+    """Amendment 1: whether some look n' in (n, cap] could still be steerable: with h of the first n runs hits, the
+    best case (every later run a hit) has rate (h + n' - n) / n', which rises with n' (its slope is (n - h) / n'^2
+    >= 0), so it is reachable iff (h + cap - n) / cap >= ``min_hit_rate`` for both sides. True for a coefficient
+    comparison."""
+    if "hit_arm" not in t:
+        return True
+    head = t.iloc[:n]
+    best = lambda hits: (int(hits.sum()) + cap - n) / cap
+    return bool(best(head.hit_arm) >= min_hit_rate and best(head.hit_other) >= min_hit_rate)
+
+
 def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams, n_comparisons: int, cap: int) -> dict:
     """One comparison's path of looks and its decision on its per-instance table ``t`` (ablations.comparisons)."""
     sch = schedule(proto, n_comparisons, cap)
@@ -130,6 +150,8 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         if not look["steerable"]:
             look["verdict"] = NOT_STEERABLE
     dec = R.decide(looks)
+    in_reach = steerable_in_reach(t, n, sch.cap, proto.min_hit_rate) if n else True
+    status = CLOSED if dec["status"] == "open" and not in_reach else dec["status"]  # amendment 1
     m = dec["n"]
     at = looks[max(dec["j"], 1) - 1] if looks else {}
     spec = c.spec
@@ -145,7 +167,8 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         "cap": cap,
         "verdict": dec["verdict"],
         "label": T.label(dec["verdict"], bool(dec.get("nonzero"))),
-        "status": dec["status"],
+        "status": status,
+        "status_frozen": dec["status"],  # before amendment 1
         "settled": dec["settled"],
         "n": m,
         "n_available": available,
@@ -170,6 +193,7 @@ def comparison(t: pd.DataFrame, meta: dict, c: Comparison, proto: AnalysisParams
         "hit_rate_arm": float(t.hit_arm.iloc[:m].mean()) if m and "hit_arm" in t else None,
         "hit_rate_other": float(t.hit_other.iloc[:m].mean()) if m and "hit_other" in t else None,
         "steerable": at.get("steerable", True),
+        "steerable_in_reach": in_reach,
         "differences": {int(i): float(x) for i, x in zip(t.index, d)},  # every look's instances; the first n decided
         **(_t_beside(d[:m], dec["a_j"]) if m and dec.get("a_j") else _t_beside(np.array([]), 0.05)),
         **beside_rliable(t.arm.to_numpy(float)[:m], t.other.to_numpy(float)[:m]),

@@ -34,7 +34,9 @@ PRECEDENCE = (
     "penalty is not shown to change the metric beyond its margin reads *inert* (placement is not testable there); "
     "a frontier comparison where an arm hits its KL level in fewer than the minimum share of runs reads *not "
     "steerable* (not compared). *settled*: material or equivalent at a look; *open*: neither, below its planned cap "
-    "(`make settle` adds the next batch to it); *unsettled at cap*: neither, at its cap."
+    "(`make settle` adds the next batch to it); *unsettled at cap*: neither, at its cap; *closed: not steerable by its "
+    "cap* (amendment 1): not steerable, and an arm has missed its level in so many runs that no look up to the cap "
+    "can be steerable, so its cells stop (the frozen rule read *open*; the verdict is the same)."
 )
 KIND_WORDS = {
     "placement": "placement",

@@ -318,3 +318,29 @@ def test_calibration_then_evaluation_end_to_end(tmp_path):
     tuned = tr.runs[tr.runs.role == "tuned"].groupby("arm")["level"].unique()
     assert tuned["loss_k3"].tolist() == [0.3] and tuned["reward_k1"].tolist() == [0.1]
     assert set(tr.runs.instance).isdisjoint(cal["calibration_instances"])
+
+
+def test_amendment_rows_show_each_comparisons_verdict_and_status_before_and_now():
+    """The amendments table of a report: per primary comparison (stats.json keys its rows by comparison, so a level
+    comparison is frontier_level3, not its question "frontier"), the verdict with its status in the report committed
+    before the amendment and now. Catches: keying "now" by question (every level row read None), a status-only
+    amendment (amendment 1 closes, the verdict stays) showing no change."""
+    from types import SimpleNamespace
+
+    from ablations.lock import Change, LockStatus
+
+    change = Change("c" * 40, "2026-12-05T04:00:00", "amendment 1", ("ablations/primary.py",))
+    row = lambda c, q, v, s: {"comparison": c, "question": q, "verdict": v, "status": s}
+    before = {"primary": {r["comparison"]: r for r in (
+        row("same_beta", "same_beta", T.MATERIAL, "settled"),
+        row("frontier_level3", "frontier", "not steerable", "open"))}}  # fmt: skip
+    closed = "closed: not steerable by its cap"
+    now = SimpleNamespace(primary=[row("same_beta", "same_beta", T.MATERIAL, "settled"),
+                                   row("frontier_level3", "frontier", "not steerable", closed)])  # fmt: skip
+    lock = LockStatus(available=True, amendments=(change,), before=((change, before),))
+    got = [(r["question"], r["before"], r["now"]) for r in A.amendments(lock, now)]
+    assert got == [
+        ("same_beta", f"{T.MATERIAL} (settled)", f"{T.MATERIAL} (settled)"),
+        ("frontier_level3", "not steerable (open)", f"not steerable ({closed})"),
+    ]
+    assert A.amendments(LockStatus(available=True), now) == []  # no amendment, no table

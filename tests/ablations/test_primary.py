@@ -159,6 +159,51 @@ def test_an_arm_that_misses_its_level_is_not_steerable_there_not_compared():
     assert out["headline"] == P.NOT_SETTLED
 
 
+@pytest.mark.parametrize("misses, status", [(4, "open"), (5, P.CLOSED)])
+def test_not_steerable_and_out_of_reach_by_the_cap_is_closed_not_open(misses, status):
+    """Amendment 1. At n = 12 of cap 24, loss_k3 misses level 2 on ``misses`` instances: not steerable now (rate
+    <= 8/12 < 0.8) either way. With 4 misses, 20 hits of 24 (0.833) are still possible: open (settle extends it);
+    with 5, at most 19 of 24 (0.79): closed, the cells stop. The verdict is "not steerable" both ways, the frozen
+    rule's status ("open") is kept beside it, and no other comparison changes. Catches: closing on the current rate
+    (4 misses would close), an off-by-one at the boundary, closing a comparison that is steerable or settled."""
+    miss = np.where(np.arange(12) < misses, 1.6, 1.0)
+    runs, evals, order = frame(n=12, kl={"loss_k3-level2": miss})
+    out = analyse(runs, evals, order)
+    r = out["by"]["frontier_level2"]
+    assert (r["verdict"], r["status"], r["status_frozen"], r["settled"]) == (P.NOT_STEERABLE, status, "open", False)
+    assert r["steerable_in_reach"] is (status == "open")
+    for name, other in out["by"].items():
+        if name != "frontier_level2":
+            assert other["status"] == other["status_frozen"] and other["steerable_in_reach"], name
+
+
+def _reachable_by_enumeration(hits: list[bool], cap: int, batch: int, rate: float) -> bool:
+    """Independent slow check: some completion of the runs to come makes some later look (a multiple of ``batch``
+    up to ``cap``) steerable, by the rule itself (primary.steerable on that look's first n)."""
+    n, todo = len(hits), cap - len(hits)
+    for tail in range(2**todo):
+        seq = hits + [bool(tail >> k & 1) for k in range(todo)]
+        t = pd.DataFrame({"hit_arm": seq, "hit_other": [True] * cap})
+        if any(P.steerable(t, m, rate) for m in range(n + batch, cap + 1, batch)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.75, 0.8])
+def test_steerable_in_reach_agrees_with_enumerating_every_future(rate):
+    """Every hit/miss history of 4 and 8 runs, cap 12, batches of 4: the closed form ((h + cap - n) / cap >= rate,
+    the best case at the cap) equals the enumeration of all 2^(cap - n) futures at every later look."""
+    for n in (4, 8):
+        for bits in range(2**n):
+            hits = [bool(bits >> k & 1) for k in range(n)]
+            t = pd.DataFrame({"hit_arm": hits, "hit_other": [True] * n})
+            want = _reachable_by_enumeration(hits, 12, 4, rate)
+            assert P.steerable_in_reach(t, n, 12, rate) is want, (hits, rate)
+            flipped = t.rename(columns={"hit_arm": "hit_other", "hit_other": "hit_arm"})
+            assert P.steerable_in_reach(flipped, n, 12, rate) is want  # either side can close it
+    assert P.steerable_in_reach(pd.DataFrame({"d": [0.0] * 4}), 4, 12, 0.8) is True  # a coefficient comparison
+
+
 def test_the_penalty_and_practice_questions_do_not_carry_the_headline():
     """reward_k1 at every level keeps 0.15 more gold than the no-KL trajectory at that KL (the penalty improves
     the gold-KL frontier) and the camps differ by 0.15: both material, but every placement comparison is

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ablations.config import ParamsError, load_params
+from ablations.primary import CLOSED
 from pipelines import settle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,8 +104,9 @@ def test_open_comparisons_reads_the_status_of_each_primary_comparison(tmp_path):
     reports = tmp_path / "reports"
     assert settle.open_comparisons("grammar", reports) == []  # no report yet
     write_stats(tmp_path, "grammar", {"same_beta": "settled", "frontier_level1": "open",
-                                      "frontier_level2": "unsettled at cap", "camps": "open"})  # fmt: skip
-    assert settle.open_comparisons("grammar", reports) == ["frontier_level1", "camps"]
+                                      "frontier_level2": "unsettled at cap", "frontier_level3": CLOSED,
+                                      "camps": "open"})  # fmt: skip
+    assert settle.open_comparisons("grammar", reports) == ["frontier_level1", "camps"]  # amendment 1: closed stops
     assert settle.open_comparisons("arithmetic", reports) == []
     write_stats(tmp_path, "grammar", {"same_beta": "settled"})
     assert settle.open_comparisons("grammar", reports) == []
