@@ -45,7 +45,8 @@ KIND_WORDS = {
 }
 
 
-def _where(r: dict) -> str:
+def where(r: dict) -> str:
+    """Where a primary comparison is asked, in words: its KL level, or the β its role fixes."""
     if r["level"] is not None:
         return f"KL level {r['level']:.3g} nats"
     return {"act": "β where the penalty acts", "tuned": "each at its own best β"}.get(r["role"], r["role"])
@@ -58,9 +59,7 @@ def _check(value, words=("shown", "NOT shown", "–")) -> str:
 def primary_sentence(r: dict) -> str:
     """One primary comparison's result with its numbers."""
     lvl = f"{1 - r['a_j']:.4%}" if r.get("a_j") else "–"
-    head = (
-        f"**{r['comparison']}** ({r['contrast']}, {r['metric']}, {_where(r)}; {KIND_WORDS[r['kind']]}) — {r['label']}"
-    )
+    head = f"**{r['comparison']}** ({r['contrast']}, {r['metric']}, {where(r)}; {KIND_WORDS[r['kind']]}) — {r['label']}"
     if r["n"] == 0:
         return f"{head}: no complete batch of evaluation instances yet ({r['n_available']} available)."
     return (
@@ -105,7 +104,7 @@ def primary_table(tr: TaskResults) -> str:
     for r in tr.primary:
         rows.append({
             "comparison": r["comparison"], "isolates": r["kind"], "contrast": r["contrast"], "metric": r["metric"],
-            "where": _where(r), "margin": f"±{r['margin']:.3g}", "verdict": r["label"], "status": r["status"],
+            "where": where(r), "margin": f"±{r['margin']:.3g}", "verdict": r["label"], "status": r["status"],
             "n (cap)": f"{r['n']} ({r['cap']})", "level a_j": T.g3(r["a_j"]) if r.get("a_j") else "–",
             "median Δ": _f(r["estimate"], sign=True), "CI (1−a_j)": _ci(r["lo"], r["hi"]),
             "CI (1−2a_j)": _ci(r["lo90"], r["hi90"]), "sign p": T.pval(r["p_sign"]),

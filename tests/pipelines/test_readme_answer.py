@@ -17,12 +17,16 @@ from pipelines.readme import (
     CONTRACT_BEGIN,
     CONTRACT_END,
     END,
+    SUPERSEDED_DIR,
+    VERSIONS_BEGIN,
+    VERSIONS_END,
     answer_section,
     block,
     broken_links,
     main,
     numbers_not_in_reports,
     splice,
+    versions_table,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,3 +206,75 @@ def test_readme_answer_is_generated_from_reports():
         missing = numbers_not_in_reports(text, ROOT / reports, heading)
         assert missing == [], f"numbers in README's {heading!r} that no report in {reports} shows"
     assert broken_links(generated, ROOT) == [], "links in the generated answer that point nowhere from README.md"
+    if VERSIONS_BEGIN in text:
+        table = versions_table(TASKS, ROOT / "reports", ROOT / SUPERSEDED_DIR)
+        assert table and splice(text, table, VERSIONS_BEGIN, VERSIONS_END) == text, "stale v3/v4 table: regenerate"
+
+
+def _stats(path: Path, doc: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "stats.json").write_text(__import__("json").dumps(doc))
+
+
+V4_ROW = dict(contrast="loss_k3 − reward_k3", metric="gold", level=None, role="act", label="material difference",
+              estimate=-0.4217, lo=-1.0316, hi=-0.2259, n=16, status="settled")  # fmt: skip
+
+
+def test_versions_table_puts_each_v3_question_beside_its_v4_comparisons(tmp_path):
+    """v3's Q2 beside v4's same_beta, Q3 beside every frontier level (and nothing else: not kl_vs_none's levels),
+    a v4-only question "not asked" on the v3 side, Q1 beside the contract check; a task without both files skipped.
+    Catches: a question paired with the wrong one, a level comparison lost or one of another question pulled in, the
+    estimand (mean vs median) not stated, a missing CI bound crashing instead of printing "–"."""
+    v3 = {"headline": "not settled", "primary": {
+        "Q1": dict(question="Q1", comparison="loss_k1 − reward_k1", metric="log_kl", levels="β 0.1 / β 0.1",
+                   verdict="equivalent", estimate=0.191, lo=0.017, hi=0.468, n=12),
+        "Q2": dict(question="Q2", comparison="loss_k3 − reward_k3", metric="gold", levels="β 0.1 / β 0.1",
+                   verdict="equivalent", estimate=-0.013, lo=None, hi=0.025, n=12)}}  # fmt: skip
+    level = lambda c, k, lvl: V4_ROW | dict(comparison=f"{c}_level{k}", level=lvl, role="levels", status="open")
+    v4 = {"headline": "matters", "carried_by": ["same_beta"], "primary": {
+        "same_beta": V4_ROW | {"comparison": "same_beta"},
+        "frontier_level1": level("frontier", 1, 0.11), "frontier_level2": level("frontier", 2, 0.219),
+        "kl_vs_none_level1": level("kl_vs_none", 1, 0.11)}}  # fmt: skip
+    _stats(tmp_path / "v4" / "arithmetic", v4)
+    _stats(tmp_path / "v3" / "arithmetic", v3)
+    _stats(tmp_path / "v4" / "grammar", v4)  # no v3 report: skipped
+    table = versions_table(["grammar", "arithmetic"], tmp_path / "v4", tmp_path / "v3").splitlines()
+    assert "mean Δ, exact sign-flip CI" in table[0] and "median Δ, exact sign-test CI" in table[0]
+    rows = {line.split(" | ")[1]: line.split(" | ")[2:] for line in table[2:]}
+    assert all(line.startswith("| arithmetic |") for line in table[2:])
+    assert rows["**the answer**"] == ["**not settled**", "**matters** (carried by same_beta) |"]
+    assert rows["same estimator, same β (placement)"] == [
+        "Q2: loss_k3 − reward_k3, gold, β 0.1 / β 0.1: **equivalent**, Δ -0.013 [–, +0.025], n 12",
+        "same_beta: loss_k3 − reward_k3, gold, β where the penalty acts: **material difference**, "
+        "Δ -0.422 [-1.032, -0.226], n 16 (settled) |"]  # fmt: skip
+    matched = rows["matched KL (placement)"]
+    assert matched[0] == "not asked" and matched[1].count("<br>") == 1
+    assert "frontier_level1" in matched[1] and "KL level 0.219 nats" in matched[1] and "kl_vs_none" not in matched[1]
+    assert rows["same expected gradient (placement)"] == ["not asked", "not asked |"]
+    assert rows["k1 in the loss"][0].startswith("Q1: loss_k1 − reward_k1, log_kl") and "Contract checks" in rows[
+        "k1 in the loss"][1]  # fmt: skip
+    assert versions_table(["grammar"], tmp_path / "v4", tmp_path / "v3") == ""
+
+
+def test_main_splices_the_versions_table_where_the_readme_has_its_markers(tmp_path, reports, monkeypatch):
+    """The table is spliced between its markers and left out of the number check (its v3 numbers are not the
+    reports'); a README without the markers is left without it. Catches: the table spliced into the answer block,
+    --check passing on a stale table, the number check failing on the generated v3 numbers."""
+    _stats(reports / "grammar", {"headline": "matters", "carried_by": [], "primary": {"same_beta": V4_ROW | {
+        "comparison": "same_beta"}}})  # fmt: skip
+    _stats(tmp_path / SUPERSEDED_DIR / "grammar", {"headline": "matters", "primary": {}})
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        README.replace("after\n", f"{VERSIONS_BEGIN}\nold versions table\n{VERSIONS_END}\nafter\n") + CONTRACT
+    )
+    monkeypatch.chdir(tmp_path)  # SUPERSEDED_DIR is relative to the repository root
+    assert cli(readme, reports, "--check") == 1
+    assert cli(readme, reports) == 0
+    text = readme.read_text()
+    assert cli(readme, reports, "--check") == 0
+    assert (
+        "old versions table" not in text
+        and "| grammar | **the answer** | **matters** | **matters** (carried by none) |" in text
+    )
+    assert text.index(END) < text.index(VERSIONS_BEGIN)
+    assert "0.422" in text and numbers_not_in_reports(text, reports) == []
