@@ -7,7 +7,8 @@ comparison is settled or has reached its planned cap.
 
 Each round runs the pipeline (pipelines.run: only stale stages run, so a finished batch is never recomputed), reads
 each task's reports/<task>/stats.json, and for every task with an *open* primary comparison (not settled, fewer
-instances than its planned cap, protocol/<task>.plan.json) appends the next batch of task seeds to
+instances than its planned cap, protocol/<task>.plan.json; not closed as out of reach of steerability, amendment 1 in
+ablations/primary.py) appends the next batch of task seeds to
 ``<task>.instances`` in params.yaml (the no-KL baseline and grid.design.shared run on every instance) and to
 ``<task>.allocation.<group>`` of every design group an open comparison reads: a settled or capped comparison's own
 cells stop (per-question allocation). The batches continue the pre-registered sequence (the next consecutive seeds
