@@ -90,13 +90,18 @@ class LockStatus:
     amendments: tuple[Change, ...] = field(default_factory=tuple)
     before: tuple[tuple[Change, dict | None], ...] = field(default_factory=tuple)
     uncommitted_keys: tuple[str, ...] = field(default_factory=tuple)
+    frozen: Change | None = None  # the protocol's last change at or before the oldest current result (None: none)
 
     def sentences(self) -> list[str]:
         """The report's words for it."""
         if not self.available:
             return [f"Protocol lock not checked: {self.reason}."]
         c = Change.describe
-        out = [f"The protocol last changed at commit {c(self.lock)}." if self.lock else "No protocol commit found."]
+        if self.amendments and self.frozen:
+            out = [f"The protocol was frozen at commit {c(self.frozen)}; it last changed at commit {c(self.lock)}, "
+                   "after results existed (amendments below)."]  # fmt: skip
+        else:
+            out = [f"The protocol last changed at commit {c(self.lock)}." if self.lock else "No protocol commit found."]
         if self.protocol_uncommitted:
             which = f" ({', '.join(self.uncommitted_keys)})" if self.uncommitted_keys else ""
             out.append(f"The protocol has uncommitted changes{which}: this report judges an unlocked protocol.")
@@ -119,6 +124,8 @@ class LockStatus:
             out.append("Protocol and results were committed together: git cannot show which came first.")
         elif self.results_after_lock is True:
             out.append("Every result was recorded after the protocol lock.")
+        elif self.amendments and self.frozen:  # not the same commit: frozen precedes the oldest result
+            out.append("Every result was recorded after the frozen protocol; the amendments came after results.")
         elif self.results_after_lock is False:
             out.append("Some results were recorded BEFORE the protocol lock.")
         if self.amendments:
@@ -414,6 +421,7 @@ def protocol_lock(
         same = any(pos(c) == pos(lock) for c in rec)
         after = all(pos(c) > pos(lock) for c in rec)
     amend = tuple(c for c in changes if first and pos(c) > pos(first))
+    frozen = next((c for c in reversed(changes) if first and pos(c) <= pos(first)), None)
     before = tuple((a, earlier_verdicts(root, a, report_path)) for a in amend) if report_path else ()
     return LockStatus(
         available=True,
@@ -428,4 +436,5 @@ def protocol_lock(
         amendments=amend,
         before=before,
         uncommitted_keys=dirty,
+        frozen=frozen,
     )

@@ -54,7 +54,7 @@ def test_results_after_the_lock_and_no_amendments(repo):
 
 
 def test_a_change_after_results_is_an_amendment(repo):
-    commit(repo, "protocol", params(0.03))
+    c1 = commit(repo, "protocol", params(0.03))
     c2 = commit(repo, "results a", lock={"fixed@a": outs("1")})
     c3 = commit(repo, "results b", lock={"fixed@a": outs("1"), "fixed@b": outs("2")})
     c4 = commit(repo, "narrow the targets", params(0.03, targets=(2.0, 4.0)))
@@ -64,6 +64,11 @@ def test_a_change_after_results_is_an_amendment(repo):
     assert s.results_after_lock is False
     assert [a.commit for a in s.amendments] == [c4]
     assert "Amendments" in " ".join(s.sentences()) and "grid.kl_targets" in " ".join(s.sentences())
+    # the freeze the results were judged under is named, and the results are after it, not "BEFORE the lock"
+    assert s.frozen.commit == c1 and s.frozen.keys == WATCHED
+    text = " ".join(s.sentences())
+    assert f"frozen at commit {c1[:10]}" in text and f"last changed at commit {c4[:10]}" in text
+    assert "Every result was recorded after the frozen protocol" in text and "BEFORE" not in text
 
 
 def test_rerun_after_the_change_is_judged_by_the_new_protocol(repo):
