@@ -132,7 +132,7 @@ def versions_table(tasks: Sequence[str], reports_dir: Path | str = REPORTS_DIR,
         )
         for words, q3, q4 in VERSIONS:
             rows = [r for c, r in v4["primary"].items() if q4 and (c == q4 or c.startswith(f"{q4}_level"))]
-            cell = K1_IN_LOSS_V4 if q3 == "Q1" else _v4_cell(rows)
+            cell = _v4_cell(rows) if q4 else K1_IN_LOSS_V4  # no v4 primary question: its contract check
             lines.append(f"| {task} | {words} | {_v3_cell(v3['primary'].get(q3) if q3 else None)} | {cell} |")
     if not lines:
         return ""
