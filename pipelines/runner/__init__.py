@@ -34,6 +34,8 @@ repro` would have; each task's `<task>_analysis` runs in a worker as soon as tha
 tasks' at once when they finish together) and is recorded the same way. A calibrate or analysis stage runs when
 `dvc status` calls it stale or a cell of its task ran in the wave; it runs as `dvc repro` runs it (outputs removed,
 then its dvc.yaml command; pipelines.runner.worker ``tail_stage``), on Ray in local workers (it reads git history).
+Steps 3-5 reuse one `dvc status` answer until a stage has run (only a stage that runs changes it): a run with nothing
+upstream, calibration or planning to do asks once.
 
 Stopping: Ctrl-C or SIGTERM (what `timeout`, `kill` and job schedulers send) stops the workers at once (their
 MLflow runs are marked FAILED; on Ray every task is cancelled, its worker killed), records the cells (or upstream

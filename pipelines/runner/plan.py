@@ -20,12 +20,6 @@ def status(env: dict[str, str], sig: Signals) -> dict:
     return json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
 
 
-def stale_cells(grid: list[Cell], env: dict[str, str], sig: Signals) -> list[Cell]:
-    """Grid cells whose DVC stage is changed or has never run (``status``)."""
-    stale = status(env, sig)
-    return [c for c in grid if c.stage in stale]
-
-
 @dataclass(frozen=True)
 class Tail:
     """A stage that follows a wave of cells, one per task: ``<task>_calibrate`` after the calibration cells,
@@ -87,11 +81,10 @@ def upstream_job(up: Upstream) -> Job:
     return Job(up, (up,), up.next, 1 + len(up.rest))
 
 
-def stale_chains(chains: list[list[str]], env: dict[str, str], sig: Signals) -> list[Upstream]:
-    """The first stale stage of each chain (per one `dvc status --json`), with the rest of its chain after it:
+def stale_chains(chains: list[list[str]], stale: dict) -> list[Upstream]:
+    """The first stage of each chain that ``stale`` (a ``status``) names, with the rest of its chain after it:
     once a stage reruns, every stage after it must too (they depend on its outputs)."""
-    status = json.loads(dvc(["status", "--json"], env, sig, capture=True) or "{}")
-    firsts = [next((k for k, s in enumerate(c) if s in status), None) for c in chains]
+    firsts = [next((k for k, s in enumerate(c) if s in stale), None) for c in chains]
     return [Upstream(c[k], tuple(c[k + 1 :])) for c, k in zip(chains, firsts) if k is not None]
 
 

@@ -6,11 +6,10 @@ rewrites its lock file in place, slowly, the way DVC rewrites dvc.lock (so an in
     python -m tests.pipelines.fakes commit STAGE...     # adds them to fake.lock (JSON) in place, over FAKE_COMMIT_S
 
 Environment: FAKE_DIR (where workers drop pid files and the commit drops `committing`; `dvc repro` appends its
-arguments to FAKE_DIR/repro, one call a line; ``tail`` its stage to FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST
-cells of ablations.grid.cells -- the calibration cells come first -- take 0.05 s, the others a minute),
-FAKE_COMMIT_S (default 0), FAKE_TOGETHER
-(``placed``), FAKE_STALE (upstream stages `dvc status` reports until committed, comma-separated; default none),
-FAKE_FAIL (the upstream stage that fails).
+arguments to FAKE_DIR/repro, one call a line, and `dvc status` a line to FAKE_DIR/status; ``tail`` its stage to
+FAKE_DIR/tails), FAKE_FAST (the first FAKE_FAST cells of ablations.grid.cells -- the calibration cells come first --
+take 0.05 s, the others a minute), FAKE_COMMIT_S (default 0), FAKE_TOGETHER (``placed``), FAKE_STALE (upstream stages
+`dvc status` reports until committed, comma-separated; default none), FAKE_FAIL (the upstream stage that fails).
 """
 
 from __future__ import annotations
@@ -246,6 +245,8 @@ def main(argv: list[str]) -> int:
         from ablations.config import load_params
         from ablations.grid import cells
 
+        with open(Path(os.environ["FAKE_DIR"]) / "status", "a") as f:  # one line a call
+            f.write("status\n")
         done = set(committed())
         stale = [s for s in os.environ.get("FAKE_STALE", "").split(",") if s] + [c.stage for c in cells(load_params())]
         print(json.dumps({s: ["changed"] for s in stale if s not in done}))

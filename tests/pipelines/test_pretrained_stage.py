@@ -28,14 +28,15 @@ def test_runner_converts_the_listed_models_before_any_upstream_chain(monkeypatch
     calls = []
     monkeypatch.setattr(cli, "dvc", lambda args, env, sig, **kw: calls.append(("dvc", *args)))
     monkeypatch.setattr(cli, "upstream_chains", lambda params, evaluation: calls.append(("chains",)) or [])
-    monkeypatch.setattr(cli.plan, "stale_chains", lambda chains, env, sig: [])
+    monkeypatch.setattr(cli.plan, "status", lambda env, sig: calls.append(("status",)) or {})
+    monkeypatch.setattr(cli.plan, "stale_chains", lambda chains, stale: [])
     params = argparse.Namespace(pretrained=["smollm2-135m"])
     args = argparse.Namespace(calibration_only=False)
     cli.Sweep(args, None, params, {}, 1, None, None, None).upstream()
-    assert calls == [("dvc", "repro", "pretrained@smollm2-135m"), ("chains",)]
+    assert calls == [("dvc", "repro", "pretrained@smollm2-135m"), ("chains",), ("status",)]  # asked after it
     calls.clear()
     cli.Sweep(args, None, argparse.Namespace(pretrained=[]), {}, 1, None, None, None).upstream()
-    assert calls == [("chains",)]  # nothing to convert: no DVC call
+    assert calls == [("chains",), ("status",)]  # nothing to convert: no `dvc repro`
 
 
 def test_sft_model_builder_refuses_a_packaged_model_not_yet_converted(tmp_path, monkeypatch):

@@ -475,7 +475,22 @@ def test_nothing_stale_upstream_runs_nothing_upstream(workdir):
     out = run_upstream(workdir, [])
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert not stage_records(workdir) and "upstream" not in out.stdout
+    # `dvc status` asked 3 times: the upstream answer serves the calibration wave (nothing ran between), which runs
+    # cells, so the planning and grid waves ask again
+    assert len((workdir / "fake/status").read_text().splitlines()) == 3
     assert set(committed(workdir / "fake.lock")) == {c.stage for c in GRID} | {"grammar_calibrate", "grammar_planning"}
+
+
+def test_dvc_status_is_asked_once_and_again_only_after_a_phase_ran_something(workdir):
+    calls = lambda: len((workdir / "fake/status").read_text().splitlines())
+    out = run_upstream(workdir, ["grammar_sft@11"])  # upstream, calibration, planning and grid each ran: 4 asks
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert calls() == 4
+    out = run_upstream(workdir, [])  # nothing stale (a `make settle` round between batches): 1 ask for all phases
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert calls() == 5 and "upstream" not in out.stdout
+    for n, what in ((len(CAL), "calibration cells"), (len(PLAN), "planning cells"), (len(EVAL), "grid cells")):
+        assert f"0 of {n} {what} to run on 3 local workers\n" in out.stdout, out.stdout
 
 
 def test_a_failing_upstream_stage_fails_the_run_in_one_line_and_no_cell_runs(workdir):
