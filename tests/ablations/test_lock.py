@@ -300,3 +300,40 @@ def test_no_amendment_claim_only_when_committed_results_exist(repo):
     text = " ".join(protocol_lock(repo, WATCHED, CELLS).sentences())
     assert claim not in text and "No committed protocol change" in text
     assert claim not in " ".join(LockStatus(False, "no git").sentences())
+
+
+def _both_readings(text: str) -> tuple[dict, dict]:
+    from ablations.lock import _load, _lock, _outs
+
+    every = lambda stage: True
+    return _outs(_lock(text.encode()), every), _outs(_load(text), every)
+
+
+def test_a_dvc_written_lock_reads_the_same_with_libyaml_as_with_the_yaml_1_2_reader():
+    """The walk reads dvc.lock with libyaml (``_lock``): the outs it compares are what the YAML 1.2 reader reads,
+    for hashes (hex digits, or a directory's hex digits and ".dir") that look like numbers to either YAML version,
+    written as DVC writes them (ruamel). (A YAML 1.1-only form such as ``12:30`` or ``yes`` is not hex, and every
+    out path of this pipeline starts with its folder, so none can occur.)"""
+    import io
+
+    from ruamel.yaml import YAML
+
+    tricky = ["0123", "1e5", "12345678", "deadbeef", "007", "0e0", "1e10", "1234e5.dir", "0123.dir", "9" * 32, "ab"]
+    stages = {
+        f"s@{i}": {"cmd": "x", "outs": [{"path": f"runs/{h}", "md5": h, "size": i, "hash": "md5"}]}
+        for i, h in enumerate(tricky)
+    }
+    buf = io.StringIO()
+    YAML().dump({"schema": "2.0", "stages": stages}, buf)  # DVC's writer: ruamel round-trip, YAML 1.2
+    fast, exact = _both_readings(buf.getvalue())
+    assert fast == exact and len(fast) == len(tricky)
+    assert json.loads(fast["s@0"])[0]["md5"] == "0123"
+
+
+@pytest.mark.slow
+def test_the_repositorys_dvc_lock_reads_the_same_with_libyaml_as_with_the_yaml_1_2_reader():
+    lock = Path(__file__).resolve().parents[2] / "dvc.lock"
+    if not lock.is_file():
+        pytest.skip("no dvc.lock")
+    fast, exact = _both_readings(lock.read_text())
+    assert fast == exact and fast
