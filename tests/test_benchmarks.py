@@ -46,6 +46,7 @@ SMOKE = {
     "diagnostics_table.py": ["--warmup", "1", "--n-true", "16", "--n-minibatches", "2"],
     "no_kl_baselines.py": ["grammar", "0"],
     "overoptimisation.py": ["--seeds", "0"],
+    "repro_wait.py": ["--lock", str(REPO / "dvc.lock"), "--cores", "2", "64"],
     "skew_simulation.py": ["--smoke", "--fixture", str(REPO / "tests" / "ablations" / "data" / "v3_differences.csv")],
 }
 # bench_workers times the runner on a finished pipeline's outputs (data/, models/, runs/), which the toy project does
@@ -80,3 +81,22 @@ def test_benchmark_script_runs_one_tiny_iteration(project, script):
         assert out.returncode != 0 and NEEDS_REPRO[script] in out.stderr and "Traceback" not in out.stderr, out.stderr
         return
     assert out.returncode == 0, f"{script}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+def test_repro_wait_runs_a_chain_as_one_job_longest_first_and_each_wave_after_the_last():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("repro_wait", REPO / "benchmarks" / "repro_wait.py")
+    rw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rw)
+    stages = ["grammar_data@5", "grammar_sft@5", "grammar_rm@5", "grammar_eval0@5", "grammar_calibration_sft@0",
+              "grammar_calibration@0-reward_k1-0.1-0", "grammar_calibrate", "grammar_plan@3-x-0", "grammar_planning",
+              "grammar_design@124-reward_k1-act-0", "grammar_baseline@124-0", "grammar_analysis"]  # fmt: skip
+    assert [rw.wave(s) for s in stages] == [0, 0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
+    seconds = dict.fromkeys(stages, 1.0) | {"grammar_sft@5": 10.0}
+    jobs = rw.jobs(stages, seconds)
+    assert sorted(jobs[0]) == [1.0, 13.0]  # instance 5's chain (1 + 10 + 1 + 1) and the calibration instance's
+    assert rw.makespan([1, 1, 2], 2) == 2  # longest first (in the given order: 1 and 1, then 2 after one: 3)
+    assert rw.makespan([3, 3, 2, 2, 2], 2) == 7  # list scheduling, not the optimum (6): within 4/3 of it
+    assert rw.makespan([5, 1, 1], 64) == 5
+    assert rw.stage_seconds(["a@1", "a@2"], {"a@1": 4.0}) == ({"a@1": 4.0, "a@2": 4.0}, {"a": 1})
