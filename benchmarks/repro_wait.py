@@ -3,6 +3,7 @@ dvc-remote/): the measured time of each stage that dvc.lock records, scheduled t
 
     python benchmarks/repro_wait.py                      # 2, 16 and 64 cores, from dvc.lock and the v4 stage times
     python benchmarks/repro_wait.py --cores 8 --status-s 150
+    python benchmarks/repro_wait.py --up-to 127          # only task instances up to 127: profile first-look
 
 Stage times: ``v4_stage_times.csv`` beside this script, one row per stage (``stage,seconds,log``): the stage's own
 wall time as the runner printed it (``[i/n] <stage>: ... (<seconds>s, ...)``) during protocol v4's runs on the 2-core
@@ -55,6 +56,12 @@ def wave(stage: str) -> int:
     return 3
 
 
+def instance(stage: str) -> int | None:
+    """A stage's task instance (``grammar_design@139-...`` -> 139); None for calibrate, planning, analysis."""
+    m = re.search(r"@(\d+)", stage)
+    return int(m.group(1)) if m else None
+
+
 def jobs(stages: list[str], seconds: dict[str, float]) -> dict[int, list[float]]:
     """Each wave's jobs (seconds): an upstream chain (one task instance's stages) is one job, any other stage one."""
     out: dict[int, list[float]] = defaultdict(list)
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="the stages to recompute (default dvc.lock)")
     ap.add_argument("--times", type=Path, default=HERE / "v4_stage_times.csv")
     ap.add_argument("--cores", type=int, nargs="+", default=[2, 16, 64])
+    ap.add_argument("--up-to", type=int, help="keep only the stages of task instances up to this one (e.g. 127)")
     ap.add_argument("--status-s", type=float, default=150.0, help="one `dvc status` over the grid (default: 2.5 min)")
     args = ap.parse_args(argv)
     if not args.lock.is_file():
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     with args.times.open(newline="") as f:
         times = {row["stage"]: float(row["seconds"]) for row in csv.DictReader(f)}
     stages = list(yaml.load(args.lock.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["stages"])
+    if args.up_to is not None:
+        stages = [s for s in stages if (instance(s) or 0) <= args.up_to]
     seconds, missing = stage_seconds(stages, times)
     per_wave = jobs(stages, seconds)
     total = sum(seconds.values())

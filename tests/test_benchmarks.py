@@ -46,7 +46,7 @@ SMOKE = {
     "diagnostics_table.py": ["--warmup", "1", "--n-true", "16", "--n-minibatches", "2"],
     "no_kl_baselines.py": ["grammar", "0"],
     "overoptimisation.py": ["--seeds", "0"],
-    "repro_wait.py": ["--lock", str(REPO / "dvc.lock"), "--cores", "2", "64"],
+    "repro_wait.py": ["--lock", str(REPO / "dvc.lock"), "--cores", "2", "64", "--up-to", "127"],
     "skew_simulation.py": ["--smoke", "--fixture", str(REPO / "tests" / "ablations" / "data" / "v3_differences.csv")],
 }
 # bench_workers times the runner on a finished pipeline's outputs (data/, models/, runs/), which the toy project does
@@ -100,3 +100,4 @@ def test_repro_wait_runs_a_chain_as_one_job_longest_first_and_each_wave_after_th
     assert rw.makespan([3, 3, 2, 2, 2], 2) == 7  # list scheduling, not the optimum (6): within 4/3 of it
     assert rw.makespan([5, 1, 1], 64) == 5
     assert rw.stage_seconds(["a@1", "a@2"], {"a@1": 4.0}) == ({"a@1": 4.0, "a@2": 4.0}, {"a": 1})
+    assert [rw.instance(s) for s in ("grammar_design@139-x-0", "grammar_sft@0", "grammar_analysis")] == [139, 0, None]
