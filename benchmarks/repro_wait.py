@@ -9,8 +9,8 @@ Stage times: ``v4_stage_times.csv`` beside this script, one row per stage (``sta
 wall time as the runner printed it (``[i/n] <stage>: ... (<seconds>s, ...)``) during protocol v4's runs on the 2-core
 development machine (AMD EPYC, one torch thread per stage, one stage per core; ``log`` names the run, and the
 ``rebuild`` runs shared the cores with test runs, so their stages (the calibration and planning instances' chains and
-cells) are slower than on an idle machine: an upper bound). A stage of dvc.lock without a row gets the median of its
-kind (its name before ``@``), and is counted.
+cells) are slower than on an idle machine, as are look 14's (instances 176-179, beside a test run): an upper bound).
+A stage of dvc.lock without a row gets the median of its kind (its name before ``@``), and is counted.
 
 Schedule (pipelines/runner): the waves run one after another: (0) the data -> SFT -> reward model -> eval0 chains,
 one chain per task instance, chains in parallel; (1) the calibration cells, then each task's calibrate stage;
