@@ -15,8 +15,9 @@ A stage of dvc.lock without a row gets the median of its kind (its name before `
 Schedule (pipelines/runner): the waves run one after another: (0) the data -> SFT -> reward model -> eval0 chains,
 one chain per task instance, chains in parallel; (1) the calibration cells, then each task's calibrate stage;
 (2) the planning cells, then planning; (3) the evaluation cells, then each task's analysis. Within a wave the jobs go
-longest first to the next free core (list scheduling; within 4/3 of the best possible), and a wave's tail stage
-starts when its task's cells are done (counted here as one more job of the wave). Each wave also waits for one `dvc
+longest first to the next free core (list scheduling; within 4/3 of the best possible), and the wave's tail stages
+(calibrate, planning, analysis: one per task, side by side) run after its last job (a task's tail waits for its
+cells; here for all of them). Each wave also waits for one `dvc
 status` over the whole grid (``--status-s``, single-threaded, so it does not shrink with cores). Not counted: the
 pull attempt, the workers' start, recording in dvc.lock, and any speed difference between this machine's cores and
 yours.
@@ -62,17 +63,24 @@ def instance(stage: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def jobs(stages: list[str], seconds: dict[str, float]) -> dict[int, list[float]]:
-    """Each wave's jobs (seconds): an upstream chain (one task instance's stages) is one job, any other stage one."""
+def jobs(stages: list[str], seconds: dict[str, float]) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Each wave's jobs and its tail stages (seconds): an upstream chain (one task instance's stages) is one job, any
+    other stage of an instance one; a stage of no instance (calibrate, planning, analysis) is a tail."""
     out: dict[int, list[float]] = defaultdict(list)
+    tails: dict[int, list[float]] = defaultdict(list)
     chains: dict[str, float] = defaultdict(float)
     for s in stages:
         if wave(s) == 0:
             chains[CHAIN.sub("@", s)] += seconds[s]
         else:
-            out[wave(s)].append(seconds[s])
+            (out if instance(s) is not None else tails)[wave(s)].append(seconds[s])
     out[0] = list(chains.values())
-    return out
+    return out, tails
+
+
+def wave_seconds(jobs: list[float], tails: list[float], cores: int) -> float:
+    """A wave's wall time: its jobs list-scheduled, then its tails side by side."""
+    return makespan(jobs, cores) + max(tails, default=0.0)
 
 
 def makespan(durations: list[float], cores: int) -> float:
@@ -117,14 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.up_to is not None:
         stages = [s for s in stages if (instance(s) or 0) <= args.up_to]
     seconds, missing = stage_seconds(stages, times)
-    per_wave = jobs(stages, seconds)
+    per_wave, tails = jobs(stages, seconds)
     total = sum(seconds.values())
     print(f"{len(stages)} stages of {args.lock}, {total:,.0f} CPU-s ({total / 3600:.1f} CPU-h); by wave: "
-          + ", ".join(f"{WAVES[w]} {sum(per_wave[w]):,.0f}" for w in range(4)))  # fmt: skip
+          + ", ".join(f"{WAVES[w]} {sum(per_wave[w]) + sum(tails[w]):,.0f}" for w in range(4)))  # fmt: skip
     if missing:
         print("timed by their kind's median (no row):", ", ".join(f"{k} {n}" for k, n in sorted(missing.items())))
     for cores in args.cores:
-        parts = [makespan(per_wave[w], cores) for w in range(4)]
+        parts = [wave_seconds(per_wave[w], tails[w], cores) for w in range(4)]
         wait = sum(parts) + len(parts) * args.status_s
         shown = ", ".join(f"{WAVES[w]} {p / 60:.0f}" for w, p in enumerate(parts))
         status = f"{len(parts)} dvc status {len(parts) * args.status_s / 60:.0f}"

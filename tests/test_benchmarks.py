@@ -94,8 +94,10 @@ def test_repro_wait_runs_a_chain_as_one_job_longest_first_and_each_wave_after_th
               "grammar_design@124-reward_k1-act-0", "grammar_baseline@124-0", "grammar_analysis"]  # fmt: skip
     assert [rw.wave(s) for s in stages] == [0, 0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
     seconds = dict.fromkeys(stages, 1.0) | {"grammar_sft@5": 10.0}
-    jobs = rw.jobs(stages, seconds)
+    jobs, tails = rw.jobs(stages, seconds)
     assert sorted(jobs[0]) == [1.0, 13.0]  # instance 5's chain (1 + 10 + 1 + 1) and the calibration instance's
+    assert jobs[3] == [1.0, 1.0] and tails[3] == [1.0] and tails[1] == [1.0]  # the analysis after the cells
+    assert rw.wave_seconds([5, 1, 1], [2, 3], 64) == 8  # the longest job, then the tails side by side
     assert rw.makespan([1, 1, 2], 2) == 2  # longest first (in the given order: 1 and 1, then 2 after one: 3)
     assert rw.makespan([3, 3, 2, 2, 2], 2) == 7  # list scheduling, not the optimum (6): within 4/3 of it
     assert rw.makespan([5, 1, 1], 64) == 5
