@@ -62,6 +62,7 @@ scalars. Order statistics by np.sort along the last axis; ranks by exact integer
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from fractions import Fraction
 
@@ -169,9 +170,15 @@ def median_ci(x, level: float) -> tuple:
     return bounds(x, (1 - level) / 2)
 
 
+@functools.lru_cache(maxsize=256)
+def _binom_table(n: int) -> np.ndarray:
+    """F(0..n) of Binomial(n, 1/2), each the correctly rounded float of an exact integer ratio (a numpy cumsum of
+    the C(n, i) overflows int64 from n = 63 on: F came out negative at n = 64, look 16's sign p)."""
+    return np.array([total / 2**n for total in itertools.accumulate(math.comb(n, i) for i in range(n + 1))])
+
+
 def _binom_cdf(n: int, counts: np.ndarray) -> np.ndarray:
-    table = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2**n  # F(0..n)
-    return table[counts]
+    return _binom_table(int(n))[counts]
 
 
 def sign_p(x, delta=0.0, alternative: str = "two-sided"):

@@ -108,6 +108,19 @@ def test_sign_p_by_hand_and_against_binomtest():
         assert T.sign_p(z, delta, "less") == pytest.approx(stats.binomtest(above, 15, 0.5, "less").pvalue)
 
 
+@pytest.mark.parametrize("n", [62, 63, 64, 65, 200])
+def test_sign_p_at_large_n_against_binomtest(n):
+    """At n = 63 and 64 the binomial table's integer sums pass 2^63 (the defect of look 16: a numpy int64 cumsum
+    wrapped and the reported sign p of grammar's n = 64 rows came out negative). Every p lies in [0, 1] and equals
+    scipy's binomtest, on both sides and two-sided, from all-below to all-above."""
+    for above in (0, 1, n // 4, n // 2, n - 3, n):
+        x = np.r_[np.full(above, 1.0), np.full(n - above, -1.0)]
+        for alternative in ("greater", "less", "two-sided"):
+            p = T.sign_p(x, 0.0, alternative)
+            assert 0.0 <= p <= 1.0
+            assert p == pytest.approx(stats.binomtest(above, n, 0.5, alternative).pvalue, rel=1e-12, abs=1e-300)
+
+
 @pytest.mark.parametrize("n", [7, 16])
 def test_test_inversion_identity_with_ties(n):
     """On lattice data (ties) and a grid of δ that includes every data value: δ < x_(k) ⇔ p_greater(δ) <= a,
